@@ -1,0 +1,136 @@
+"""Frozen configuration for the planner; validation lives here, argparse lives in cli.py.
+
+Every field is checked in ``__post_init__`` and a bad value raises ``ValueError`` naming it, so a
+config that exists is a config that can be planned (or fails with a clear capacity error).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from planner.groups import LAYOUTS, ZIGZAG, check_cp_sizes, valid_cp_sizes
+
+LONG_SEQUENCE_POLICIES = ("error", "split", "truncate", "drop")
+EFFORTS = ("fast", "balanced", "max")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelConfig:
+    """The job's parallel layout; dynamic CP redistributes the pool of dp x cp ranks."""
+
+    dp: int
+    """Data-parallel size."""
+    cp: int
+    """Static context-parallel size; the pool is dp x cp ranks."""
+    tp: int = 1
+    """Tensor-parallel size (static; multiplies the alignment with sequence parallelism)."""
+    pp: int = 1
+    """Pipeline-parallel size (static)."""
+    vpp: int = 1
+    """Virtual pipeline stages per rank; > 1 needs microbatch counts in multiples of the group size."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism: sequences must also split evenly over tp."""
+    microbatch_group_size: int = 0
+    """Microbatches per virtual-stage group with vpp > 1; 0 means pp (Megatron's default)."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "cp", "tp", "pp", "vpp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.microbatch_group_size < 0:
+            raise ValueError(
+                f"microbatch_group_size must be >= 0, got {self.microbatch_group_size}"
+            )
+        if self.vpp > 1 and self.pp < 2:
+            raise ValueError(f"vpp={self.vpp} needs pp >= 2, got pp={self.pp}")
+
+    @property
+    def pool_size(self) -> int:
+        """N = dp x cp, the ranks that dynamic CP redistributes."""
+        return self.dp * self.cp
+
+    @property
+    def tp_eff(self) -> int:
+        """tp' = tp with sequence parallelism, else 1."""
+        return self.tp if self.sequence_parallel else 1
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the whole job: pool x tp x pp."""
+        return self.pool_size * self.tp * self.pp
+
+    @property
+    def group_size(self) -> int:
+        """Effective microbatch group size (pp when not set)."""
+        return self.microbatch_group_size or self.pp
+
+    @property
+    def microbatch_multiple(self) -> int:
+        """Every step's microbatch count is a multiple of this (1 unless vpp > 1)."""
+        return self.group_size if self.vpp > 1 else 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlannerConfig:
+    """Everything that decides a plan; equal configs and lengths give byte-identical plans."""
+
+    parallel: ParallelConfig
+    """Parallel layout of the job."""
+    capacity_tokens_per_rank: int
+    """C: padded tokens one rank may hold in one microbatch."""
+    global_batch_size: int = 0
+    """Samples per optimizer step (exclusive with global_batch_tokens)."""
+    global_batch_tokens: int = 0
+    """Real tokens per optimizer step, filled greedily in permutation order (exclusive)."""
+    seed: int = 0
+    """Seed of the per-epoch sample permutation."""
+    epochs: int = 1
+    """Epochs to plan; each draws a fresh permutation."""
+    layout: str = ZIGZAG
+    """Sharding of a group's packed buffer: zigzag (TE's load-balanced causal) or contiguous."""
+    cp_sizes: tuple[int, ...] = ()
+    """Group sizes the plan may use; empty means all valid sizes for the pool."""
+    min_cp: int = 1
+    """Smallest group size for any sequence."""
+    long_sequences: str = "error"
+    """What to do with a sample longer than the whole pool holds: error, split, truncate, drop."""
+    drop_last: bool = False
+    """Drop an epoch's final partial global batch instead of planning it as a short step."""
+    effort: str = "balanced"
+    """Solver effort: fast (heuristic only), balanced, max."""
+    cost_model: str = "default"
+    """Name of a preset or path of a cost-model JSON file."""
+    sizes: tuple[int, ...] = field(init=False)
+    """Resolved group sizes (set from cp_sizes and min_cp)."""
+
+    def __post_init__(self) -> None:
+        n = self.parallel.pool_size
+        if self.capacity_tokens_per_rank < 1:
+            raise ValueError(
+                f"max tokens per rank must be >= 1, got {self.capacity_tokens_per_rank}"
+            )
+        if (self.global_batch_size > 0) == (self.global_batch_tokens > 0):
+            raise ValueError("give exactly one of global_batch_size and global_batch_tokens (> 0)")
+        if self.global_batch_size < 0 or self.global_batch_tokens < 0:
+            raise ValueError("global batch size and tokens must not be negative")
+        if self.epochs < 1:
+            raise ValueError(f"epochs must be >= 1, got {self.epochs}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if self.long_sequences not in LONG_SEQUENCE_POLICIES:
+            raise ValueError(
+                f"long_sequences must be one of {', '.join(LONG_SEQUENCE_POLICIES)}, "
+                f"got {self.long_sequences!r}"
+            )
+        if self.effort not in EFFORTS:
+            raise ValueError(f"effort must be one of {', '.join(EFFORTS)}, got {self.effort!r}")
+        sizes = check_cp_sizes(n, self.cp_sizes) if self.cp_sizes else valid_cp_sizes(n)
+        sizes = tuple(k for k in sizes if k >= self.min_cp)
+        if not sizes:
+            raise ValueError(
+                f"min_cp={self.min_cp} leaves no group size (sizes: {self.cp_sizes or 'default'})"
+            )
+        if n % sizes[0] != 0 or any(n % k for k in sizes):
+            raise ValueError(f"group sizes {sizes} must divide the pool of {n} ranks")
+        object.__setattr__(self, "sizes", sizes)

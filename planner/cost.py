@@ -1,0 +1,198 @@
+"""Cost model (as data) and the step simulator that every plan, ours or a baseline's, is scored by.
+
+A group of size k whose packed buffer holds padded lengths P_i takes, on each of its k ranks,
+
+    t = sum_i(a * P_i + b * P_i^2) / k                       # GEMMs + causal attention, split k ways
+        + [k > 1] * (k - 1) * (cp_fixed_s + cp_token_s * S / k)   # ring exchange of K/V chunks
+        + microbatch_s                                       # per-microbatch fixed cost
+
+with S = sum_i P_i. The ring term: each of the k-1 ring steps moves one rank's S/k tokens of K/V
+and pays a fixed latency. Parameters are seconds for one forward+backward of the whole model on
+one rank; they live in JSON files (``planner/presets``) and are recorded in the plan header.
+
+Step time is the critical path through the microbatches: a group starts microbatch m when every
+member has finished its microbatch m-1 (``simulate_step``). Lower bound of a step:
+max(sum of each sequence's cheapest per-rank work / N, the most expensive single sequence at its
+best size).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numba
+import numpy as np
+from numpy.typing import NDArray
+
+from planner.groups import pad_multiple
+
+PRESET_DIR = Path(__file__).with_name("presets")
+DEFAULT_PRESET = "dense-7b-h200"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CostModel:
+    """Per-rank time of a group; see the module docstring for the formula."""
+
+    name: str
+    linear_s_per_token: float
+    """a: GEMM (and other per-token) seconds per padded token, fwd+bwd, whole model."""
+    attention_s_per_token2: float
+    """b: causal attention seconds per padded length squared, fwd+bwd, whole model."""
+    cp_fixed_s: float = 0.0
+    """Latency of one ring step of K/V exchange (k-1 steps per microbatch at size k)."""
+    cp_token_s: float = 0.0
+    """Seconds per token of K/V received in one ring step (a rank's S/k tokens)."""
+    microbatch_s: float = 0.0
+    """Fixed seconds per microbatch (launches, optimizer-free per-microbatch work)."""
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        for f in ("linear_s_per_token", "attention_s_per_token2", "cp_fixed_s", "cp_token_s",
+                  "microbatch_s"):
+            v = getattr(self, f)
+            if not (isinstance(v, (int, float)) and np.isfinite(v) and v >= 0):
+                raise ValueError(f"cost model {self.name!r}: {f} must be a finite number >= 0, "
+                                 f"got {v!r}")
+
+    @property
+    def parameters(self) -> dict[str, float]:
+        d = asdict(self)
+        d.pop("name")
+        d.pop("description")
+        return d
+
+    def to_header(self) -> dict[str, object]:
+        return {"name": self.name, "parameters": self.parameters, "description": self.description}
+
+    def as_array(self) -> NDArray[np.float64]:
+        """(a, b, cp_fixed, cp_token, microbatch) for numba kernels."""
+        return np.array([self.linear_s_per_token, self.attention_s_per_token2, self.cp_fixed_s,
+                         self.cp_token_s, self.microbatch_s], dtype=np.float64)
+
+    def group_time(self, cp_size: int, padded: NDArray[np.integer] | list[int]) -> float:
+        """Per-rank seconds of one group of size ``cp_size`` holding ``padded`` lengths."""
+        p = np.asarray(padded, dtype=np.float64)
+        return float(_group_time(self.as_array(), cp_size, p.sum(), (p * p).sum()))
+
+    def sequence_time(self, cp_size: int, padded: int) -> float:
+        """Per-rank seconds of a group holding only this sequence, without the microbatch cost."""
+        return self.group_time(cp_size, [padded]) - self.microbatch_s
+
+    @classmethod
+    def from_dict(cls, d: dict[str, object], *, source: str = "cost model") -> CostModel:
+        params = d.get("parameters", d)
+        if not isinstance(params, dict):
+            raise ValueError(f"{source}: 'parameters' must be an object")
+        known = {"linear_s_per_token", "attention_s_per_token2", "cp_fixed_s", "cp_token_s",
+                 "microbatch_s"}
+        unknown = set(params) - known - {"name", "description"}
+        if unknown:
+            raise ValueError(f"{source}: unknown cost-model parameters {sorted(unknown)}")
+        missing = {"linear_s_per_token", "attention_s_per_token2"} - set(params)
+        if missing:
+            raise ValueError(f"{source}: missing cost-model parameters {sorted(missing)}")
+        return cls(name=str(d.get("name", source)), description=str(d.get("description", "")),
+                   **{k: float(v) for k, v in params.items() if k in known})  # type: ignore[arg-type]
+
+
+def load_cost_model(name_or_path: str = "default") -> CostModel:
+    """A preset by name (``default`` = dense-7b-h200) or a JSON file by path."""
+    if name_or_path in ("", "default"):
+        name_or_path = DEFAULT_PRESET
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = PRESET_DIR / f"{name_or_path}.json"
+        if not path.is_file():
+            names = sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+            raise ValueError(f"unknown cost model {name_or_path!r} (presets: {', '.join(names)})")
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read cost model: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: cost model must be a JSON object")
+    return CostModel.from_dict(d, source=str(path))
+
+
+@numba.njit(cache=True)
+def _group_time(c: NDArray[np.float64], k: int, s1: float, s2: float) -> float:
+    t = (c[0] * s1 + c[1] * s2) / k + c[4]
+    if k > 1:
+        t += (k - 1) * (c[2] + c[3] * s1 / k)
+    return t
+
+
+@numba.njit(cache=True)
+def _simulate(c: NDArray[np.float64], pool_size: int, mb: NDArray[np.int32],
+              start: NDArray[np.int32], k: NDArray[np.int32], padded: NDArray[np.int32]
+              ) -> tuple[float, float]:
+    """Critical-path time and the sum over ranks of busy time, for one step's rows."""
+    finish = np.zeros(pool_size, dtype=np.float64)
+    busy = 0.0
+    n = len(mb)
+    i = 0
+    while i < n:
+        j = i
+        s1 = 0.0
+        s2 = 0.0
+        while j < n and mb[j] == mb[i] and start[j] == start[i]:
+            p = float(padded[j])
+            s1 += p
+            s2 += p * p
+            j += 1
+        kk = k[i]
+        t = _group_time(c, kk, s1, s2)
+        r0 = start[i]
+        begin = 0.0
+        for r in range(r0, r0 + kk):
+            if finish[r] > begin:
+                begin = finish[r]
+        for r in range(r0, r0 + kk):
+            finish[r] = begin + t
+        busy += t * kk
+        i = j
+    return finish.max(), busy
+
+
+def simulate_step(cost: CostModel, pool_size: int, microbatch: NDArray[np.integer],
+                  rank_start: NDArray[np.integer], cp_size: NDArray[np.integer],
+                  padded_tokens: NDArray[np.integer]) -> float:
+    """Simulated seconds of one step: the critical path through its microbatches.
+
+    Rows must be sorted by (microbatch, rank_start), as in a plan file.
+    """
+    t, _ = _simulate(cost.as_array(), pool_size, np.asarray(microbatch, np.int32),
+                     np.asarray(rank_start, np.int32), np.asarray(cp_size, np.int32),
+                     np.asarray(padded_tokens, np.int32))
+    return float(t)
+
+
+def step_lower_bound(cost: CostModel, pool_size: int, lengths: NDArray[np.integer],
+                     sizes: tuple[int, ...], capacity: int, tp_eff: int, layout: str,
+                     num_microbatches_min: int = 1) -> float:
+    """max(sum of each sequence's cheapest rank-seconds / N, the costliest single sequence).
+
+    A sequence's cheapest work is min over feasible k of k * t(k) (rank-seconds, no microbatch
+    cost); its fastest time is min over feasible k of t(k). ``num_microbatches_min`` microbatch
+    costs are added, since every rank runs at least that many microbatches.
+    """
+    L = np.asarray(lengths, dtype=np.int64)
+    best_work = np.full(L.shape, np.inf)
+    best_time = np.full(L.shape, np.inf)
+    c = cost.as_array()
+    for k in sizes:
+        m = pad_multiple(k, tp_eff, layout)
+        P = (-(-L // m) * m).astype(np.float64)
+        fits = P <= k * capacity
+        t = (c[0] * P + c[1] * P * P) / k
+        if k > 1:
+            t = t + (k - 1) * (c[2] + c[3] * P / k)
+        best_work = np.where(fits, np.minimum(best_work, t * k), best_work)
+        best_time = np.where(fits, np.minimum(best_time, t), best_time)
+    finite = np.isfinite(best_work)
+    work = float(best_work[finite].sum()) / pool_size
+    single = float(best_time[finite].max()) if finite.any() else 0.0
+    return max(work, single) + num_microbatches_min * cost.microbatch_s

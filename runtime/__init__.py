@@ -1,0 +1,1 @@
+"""dcp-planner runtime: replays a plan on every rank. Imports planner.schema / planner.io only."""

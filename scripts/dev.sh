@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One entry point for the README's two commands.
+#   scripts/dev.sh plan   set up .venv and run dcp-plan on the bundled sample dataset
+#   scripts/dev.sh test   set up .venv and run the whole CPU test suite (slow tests included)
+#   scripts/dev.sh setup  only set up .venv
+# Setup is idempotent: it reinstalls only when pyproject.toml changed. torch is pinned to the
+# CPU wheel these machines carry (TORCH_SPEC overrides it; an unpinned torch pulls a CUDA build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+
+setup() {
+  "$PYTHON" -c 'import sys; assert sys.version_info >= (3, 10), "Python 3.10+ needed"'
+  [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+  local stamp=.venv/.dcp-setup
+  local want
+  want="$(sha256sum pyproject.toml | cut -c1-64) $TORCH_SPEC"
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    .venv/bin/python -m pip install -q --upgrade pip >/dev/null
+    .venv/bin/python -m pip install -q "$TORCH_SPEC"
+    .venv/bin/python -m pip install -q -e '.[dev]'
+    echo "$want" > "$stamp"
+  fi
+}
+
+case "${1:-}" in
+  setup) setup ;;
+  plan)
+    setup
+    shift
+    .venv/bin/dcp-plan data/sample.jsonl -o plans/sample.arrow --dp 4 --cp 2 \
+      --max-tokens-per-rank 4096 --global-batch-size 64 --seed 0 "$@"
+    .venv/bin/dcp-plan validate plans/sample.arrow data/sample.jsonl
+    ;;
+  test)
+    setup
+    shift
+    .venv/bin/python -m pytest -q -m 'not gpu' "$@"
+    ;;
+  *) echo "usage: scripts/dev.sh plan|test|setup" >&2; exit 2 ;;
+esac
