@@ -1,0 +1,1 @@
+"""Benchmarks: workloads, honest baselines (static CP, Megatron's greedy) and plan quality."""

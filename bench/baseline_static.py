@@ -1,0 +1,173 @@
+"""Baseline 1: static context parallelism with next-fit packing (Megatron's ``dp_balanced``).
+
+Written from the behaviour of Megatron-LM's ``DpBalancedScheduler`` (megatron/core/datasets/
+data_schedule.py), not from its code:
+
+- The pool of N ranks is cut into G = N / cp groups of the static size cp in *every* microbatch:
+  group j holds ranks [j*cp, (j+1)*cp).
+- Every sequence is padded for its group size: to a multiple of 2*cp*tp' (zigzag; tp' at cp=1).
+- Order: none. Megatron packs "in their original order", the order in which the data-parallel
+  ranks delivered the global batch; ours is the drawn order of the global batch, the same thing.
+  No sort, so a long sequence closes a half-full bin as often as the data says.
+- Next-fit: fill a bin of capacity cp*C until the next sequence would overflow it, then open the
+  next bin. Bins are dealt to microbatches in order: microbatch m, group j gets bin m*G + j.
+- Bin count: Megatron wants a multiple of G (times the VPP microbatch group size); it moves the
+  last sequence of the tail bins that hold more than one into new single-sequence bins until the
+  count is a multiple. When too few bins can give a sequence (Megatron asserts), the remaining
+  groups of the last microbatch get a filler row (sample -1, the smallest padded length the
+  layout allows), so every rank still belongs to exactly one group.
+- A sequence longer than cp*C cannot run: ``StaticCPInfeasible`` names it and the smallest valid
+  static size that would hold every sample (the bench reports "static best-fitting cp").
+
+Static sizes are restricted to Megatron's dynamic sizes for N (powers of two dividing N, plus N):
+static CP 3 or 6 on N = 12 exists in Megatron but is not a valid ``cp_sizes`` entry of our format.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+from numpy.typing import NDArray
+
+from bench.baseline_common import BaselineRun, GroupRows, lengths_of, run_baseline
+from planner.config import PlannerConfig
+from planner.groups import pad_multiple, valid_cp_sizes
+
+SOLVER_NAME = "static-cp-nextfit"
+
+
+class StaticCPInfeasible(ValueError):
+    """A sample does not fit cp x C after padding; ``smallest_cp`` is the least size that would."""
+
+    def __init__(self, cp: int, sample: int, length: int, capacity: int, smallest_cp: int | None):
+        self.cp = cp
+        self.sample = sample
+        self.length = length
+        self.smallest_cp = smallest_cp
+        need = f"needs static cp >= {smallest_cp}" if smallest_cp else "fits no static cp"
+        super().__init__(f"static cp={cp}: sample {sample} ({length} tokens) does not fit "
+                         f"{cp} x {capacity} tokens after padding; {need}")
+
+
+def padded_lengths(lengths: NDArray[np.int64], cp: int, tp_eff: int, layout: str
+                   ) -> NDArray[np.int64]:
+    """Every length rounded up to the padding multiple of group size ``cp``."""
+    m = pad_multiple(cp, tp_eff, layout)
+    return -(-np.asarray(lengths, dtype=np.int64) // m) * m
+
+
+def smallest_static_cp(lengths: NDArray[np.int64], pool_size: int, capacity: int, tp_eff: int,
+                       layout: str) -> int | None:
+    """Least valid size k whose groups hold every sample after padding, or None."""
+    longest = int(np.max(lengths)) if len(lengths) else 0
+    for k in valid_cp_sizes(pool_size):
+        if int(padded_lengths(np.array([longest]), k, tp_eff, layout)[0]) <= k * capacity:
+            return k
+    return None
+
+
+def next_fit(padded: list[int], capacity: int) -> list[list[int]]:
+    """Positions of ``padded`` packed next-fit into bins of ``capacity`` (input order kept)."""
+    bins: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i, p in enumerate(padded):
+        if current and used + p > capacity:
+            bins.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += p
+    if current:
+        bins.append(current)
+    return bins
+
+
+def round_bins_up(bins: list[list[int]], multiple: int) -> list[list[int]]:
+    """Megatron's fix-up: split tail bins' last items into new bins until len % multiple == 0.
+
+    Walks from the last original bin backwards; a bin with more than one item gives its last
+    item to a new single-item bin appended at the end. Stops early (leaving fillers to the
+    caller) when no bin can give an item, where Megatron would assert.
+    """
+    bins = [list(b) for b in bins]
+    missing = (-len(bins)) % multiple
+    i = len(bins) - 1
+    while missing > 0 and i >= 0:
+        if len(bins[i]) > 1:
+            bins.append([bins[i].pop()])
+            missing -= 1
+        else:
+            i -= 1
+    return bins
+
+
+def static_step(samples: NDArray[np.int64], lengths: NDArray[np.int64], *, pool_size: int,
+                cp: int, capacity: int, tp_eff: int, layout: str,
+                microbatch_multiple: int = 1) -> list[list[GroupRows]]:
+    """One step under static CP ``cp``: next-fit bins dealt to the N/cp groups of each microbatch.
+
+    Raises:
+        StaticCPInfeasible: a sample of the step does not fit cp x C after padding.
+    """
+    padded = padded_lengths(lengths, cp, tp_eff, layout)
+    over = np.flatnonzero(padded > cp * capacity)
+    if over.size:
+        j = int(over[0])
+        raise StaticCPInfeasible(cp, int(samples[j]), int(lengths[j]), capacity,
+                                 smallest_static_cp(lengths, pool_size, capacity, tp_eff, layout))
+    num_groups = pool_size // cp
+    bins = round_bins_up(next_fit(padded.tolist(), cp * capacity),
+                         num_groups * microbatch_multiple)
+    num_mb = -(-len(bins) // num_groups)
+    num_mb = -(-num_mb // microbatch_multiple) * microbatch_multiple
+    filler = pad_multiple(cp, tp_eff, layout)
+    samples_l, lengths_l, padded_l = samples.tolist(), lengths.tolist(), padded.tolist()
+    out: list[list[GroupRows]] = []
+    for m in range(num_mb):
+        groups = []
+        for j in range(num_groups):
+            g = GroupRows(rank_start=j * cp, cp_size=cp)
+            b = m * num_groups + j
+            if b < len(bins):
+                g.samples = [samples_l[i] for i in bins[b]]
+                g.num_tokens = [lengths_l[i] for i in bins[b]]
+                g.padded = [padded_l[i] for i in bins[b]]
+            else:
+                # An empty group still runs the microbatch (PP, collectives): one padding-only
+                # filler row of the smallest buffer the layout allows.
+                g.samples, g.num_tokens, g.padded = [-1], [0], [filler]
+            groups.append(g)
+        out.append(groups)
+    return out
+
+
+def static_cp_plan(table: object, config: PlannerConfig, *, cp: int | None = None) -> BaselineRun:
+    """Plan ``table`` with static CP ``cp`` (default: the config's cp) over our global batches.
+
+    Raises:
+        StaticCPInfeasible: some sample does not fit cp x C (checked over the whole dataset
+            first, so the error names the smallest static cp that fits everything).
+        ValueError: ``cp`` is not a valid size for the pool.
+    """
+    p = config.parallel
+    cp = p.cp if cp is None else cp
+    if cp not in valid_cp_sizes(p.pool_size):
+        raise ValueError(f"static cp {cp} is not a valid group size for a pool of {p.pool_size} "
+                         f"(valid: {valid_cp_sizes(p.pool_size)})")
+    lengths = lengths_of(table)[0]
+    live = lengths[lengths > 0]
+    padded = padded_lengths(live, cp, p.tp_eff, config.layout)
+    cap = config.capacity_tokens_per_rank
+    # With "error" every live sample is drawn, so check them all up front and name the smallest
+    # static cp that fits the whole dataset; with "drop" static_step checks each step.
+    if config.long_sequences == "error" and live.size and padded.max() > cp * cap:
+        j = int(np.argmax(padded))
+        sample = int(np.flatnonzero(lengths > 0)[j])
+        raise StaticCPInfeasible(cp, sample, int(live[j]), cap, smallest_static_cp(
+            live, p.pool_size, cap, p.tp_eff, config.layout))
+    step_fn = partial(static_step, pool_size=p.pool_size, cp=cp,
+                      capacity=config.capacity_tokens_per_rank, tp_eff=p.tp_eff,
+                      layout=config.layout, microbatch_multiple=p.microbatch_multiple)
+    solver = {"name": SOLVER_NAME, "static_cp": cp, "order": "drawn", "packing": "next-fit"}
+    return run_baseline(table, config, step_fn, solver=solver, cp_sizes=(cp,), cp=cp)
