@@ -94,7 +94,7 @@ def _check_scores(plan: Any) -> None:
         assert busy.max() * (1 - 1e-9) <= t <= sum(mb_max.values()) * (1 + 1e-9)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(setups())
 def test_baselines_are_valid_and_draw_our_batches(setup: tuple[np.ndarray, PlannerConfig]) -> None:
     lengths, config = setup
