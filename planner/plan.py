@@ -1,0 +1,223 @@
+"""Lengths -> plan: long-sequence policy, global batches, per-step greedy assignment, header stats.
+
+Pure: no I/O, no clock, no randomness beyond the seeded permutation, so the same lengths, config
+and cost model give the same arrays and (through io.write_plan) a byte-identical file.
+
+Flow per epoch: ``draw_global_batches`` (eligible samples in permutation order) -> each batch's
+samples become segments (one per sample; several for a sample the ``split`` policy cuts) ->
+``greedy.assign_step`` -> the step's rows. A step may reorder its own samples, never another's.
+
+Long sequences: a sample fits when some allowed group size holds it after padding. Otherwise the
+policy decides: ``error`` raises naming the sample; ``split`` cuts it into segments of
+``segment_tokens`` (the most real tokens one group holds after padding) placed in the same step;
+``truncate`` keeps its first ``segment_tokens`` tokens; ``drop`` leaves it out. Example: N=16,
+C=16384, zigzag: a group of 16 holds 262,144 padded tokens, so a 600,000-token sample splits into
+segments at token offsets 0, 262144 and 524288 (75,712 tokens, which runs at CP 8).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+from numpy.typing import NDArray
+
+from planner.batches import draw_global_batches
+from planner.config import PlannerConfig
+from planner.cost import CostModel
+from planner.greedy import SOLVER_NAME, SOLVER_VERSION, PackingParams, assign_step
+from planner.groups import pad_multiple
+from planner.plan_stats import plan_stats
+from planner.schema import (
+    COLUMN_NAMES,
+    DatasetInfo,
+    ParallelInfo,
+    PlanHeader,
+    arrow_schema,
+    fingerprint_lengths,
+    step_batch,
+)
+
+if TYPE_CHECKING:
+    from planner.lengths import LengthTable
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """A plan in memory: the header and, per step, the 8 plan columns as numpy arrays."""
+
+    header: PlanHeader
+    steps: list[dict[str, NDArray[Any]]]
+
+    def record_batches(self) -> Iterator[pa.RecordBatch]:
+        """Step i's record batch, for i in order (what io.write_plan and schema.validate take)."""
+        schema = arrow_schema(self.header)
+        for cols in self.steps:
+            yield step_batch(schema, cols)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LongPolicyResult:
+    """Per-sample outcome of the long-sequence policy."""
+
+    tokens: NDArray[np.int64]
+    """Tokens to place per sample (0: not placed: dropped or a skipped record)."""
+    split: NDArray[np.bool_]
+    """Samples cut into segments of ``segment_tokens``."""
+    segment_tokens: int
+    dropped: NDArray[np.int64]
+    """Samples placed nowhere: policy drops, skipped records, empty samples (sorted)."""
+    truncated: list[list[int]]
+    """[sample_index, kept_tokens] per truncated sample."""
+
+
+def segment_capacity(config: PlannerConfig) -> tuple[int, int]:
+    """(most real tokens one group holds after padding, the size that holds them)."""
+    tp_eff = config.parallel.tp_eff
+    best = (0, config.sizes[-1])
+    for k in config.sizes:
+        m = pad_multiple(k, tp_eff, config.layout)
+        best = max(best, ((k * config.capacity_tokens_per_rank) // m * m, k))
+    return best
+
+
+def apply_long_policy(lengths: NDArray[np.int64], config: PlannerConfig) -> LongPolicyResult:
+    """Apply ``config.long_sequences`` to every sample that no allowed group size holds."""
+    tp_eff = config.parallel.tp_eff
+    cap = config.capacity_tokens_per_rank
+    fits = np.zeros(len(lengths), dtype=np.bool_)
+    for k in config.sizes:
+        m = pad_multiple(k, tp_eff, config.layout)
+        fits |= -(-lengths // m) * m <= k * cap
+    long_idx = np.flatnonzero(~fits & (lengths > 0))
+    seg, seg_k = segment_capacity(config)
+    tokens = np.where(lengths > 0, lengths, 0).astype(np.int64)
+    split = np.zeros(len(lengths), dtype=np.bool_)
+    dropped = np.flatnonzero(lengths <= 0)
+    truncated: list[list[int]] = []
+    if long_idx.size:
+        policy = config.long_sequences
+        i = int(long_idx[0])
+        if policy == "error":
+            more = f" (and {long_idx.size - 1} more)" if long_idx.size > 1 else ""
+            raise ValueError(
+                f"sample {i} has {int(lengths[i])} tokens, more than the largest group holds: "
+                f"{seg_k} ranks x {cap} tokens per rank = {seg_k * cap} (at most {seg} real "
+                f"tokens after padding){more}; use long_sequences split, truncate or drop")
+        if policy in ("split", "truncate") and seg <= 0:
+            raise ValueError(f"sample {i}: no group size holds even one padded token "
+                             f"(capacity {cap}, layout {config.layout}), cannot {policy}")
+        if policy == "split":
+            split[long_idx] = True
+        elif policy == "truncate":
+            tokens[long_idx] = seg
+            truncated = [[int(s), seg] for s in long_idx.tolist()]
+        else:
+            tokens[long_idx] = 0
+            dropped = np.union1d(dropped, long_idx)
+    return LongPolicyResult(tokens=tokens, split=split, segment_tokens=seg,
+                            dropped=dropped.astype(np.int64), truncated=truncated)
+
+
+def _segments(order: NDArray[np.int64], policy: LongPolicyResult) -> tuple[
+        NDArray[np.int64], NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]:
+    """Expand samples (in batch order) into segments: (sample, offset, tokens, per-sample count)."""
+    tok = policy.tokens[order]
+    split = policy.split[order]
+    if not split.any():
+        return order, np.zeros(len(order), dtype=np.int64), tok, np.ones(len(order), np.int64)
+    seg = max(policy.segment_tokens, 1)
+    count = np.where(split, -(-tok // seg), 1)
+    sample = np.repeat(order, count)
+    first = np.repeat(np.cumsum(count) - count, count)
+    offset = (np.arange(len(sample), dtype=np.int64) - first) * seg
+    # A sample that fits is never longer than seg, so the minimum only cuts split samples.
+    tokens = np.minimum(seg, np.repeat(tok, count) - offset)
+    return sample, offset, tokens, count
+
+
+def make_plan(table: LengthTable, config: PlannerConfig, cost: CostModel, *,
+              progress: Callable[[int, int], None] | None = None) -> Plan:
+    """Plan every epoch of ``table`` under ``config``; each plan passes ``schema.validate``.
+
+    Args:
+        table: sample lengths in file order (0 for skipped bad records, listed in ``skipped``).
+        config: the planner configuration.
+        cost: the cost model that guides the assignment and scores the plan.
+        progress: called as ``progress(steps_done, steps_total)`` after each step.
+
+    Returns:
+        The plan: header (with stats) and per-step columns.
+
+    Raises:
+        ValueError: a sample no group holds under ``long_sequences="error"``, or a capacity no
+            segment can use.
+    """
+    lengths = np.asarray(table.lengths, dtype=np.int64)
+    policy = apply_long_policy(lengths, config)
+    params = PackingParams.from_config(config, cost)
+    eligible = policy.tokens > 0
+    draws = [draw_global_batches(policy.tokens, eligible, seed=config.seed, epoch=e,
+                                 global_batch_size=config.global_batch_size,
+                                 global_batch_tokens=config.global_batch_tokens,
+                                 drop_last=config.drop_last) for e in range(config.epochs)]
+    total_steps = sum(len(b) for b, _ in draws)
+    steps: list[dict[str, NDArray[Any]]] = []
+    step_segments: list[NDArray[np.int64]] = []
+    epochs: list[tuple[int, int]] = []
+    for batches, _ in draws:
+        epochs.append((len(steps), len(batches)))
+        if not batches:
+            continue
+        sample, offset, tokens, count = _segments(np.concatenate(batches), policy)
+        per_step = np.add.reduceat(count, np.cumsum([0] + [len(b) for b in batches[:-1]]))
+        bounds = np.r_[0, np.cumsum(per_step)].tolist()
+        for j in range(len(batches)):
+            a, b = bounds[j], bounds[j + 1]
+            out = assign_step(sample[a:b], offset[a:b], tokens[a:b], params)
+            cols: dict[str, NDArray[Any]] = {
+                "step": np.full(len(out.microbatch), len(steps), dtype=np.int32),
+                "microbatch": out.microbatch, "rank_start": out.rank_start,
+                "cp_size": out.cp_size, "sample_index": out.sample_index,
+                "token_offset": out.token_offset, "num_tokens": out.num_tokens,
+                "padded_tokens": out.padded_tokens,
+            }
+            assert tuple(cols) == COLUMN_NAMES
+            steps.append(cols)
+            step_segments.append(tokens[a:b])
+            if progress is not None:
+                progress(len(steps), total_steps)
+
+    split_samples = np.flatnonzero(policy.split).tolist()
+    stats = plan_stats(steps, step_segments, config, cost)
+    stats.update({
+        "dropped_samples": policy.dropped.tolist(),
+        "truncated_samples": policy.truncated,
+        "split_samples": split_samples,
+        "skipped_bad_records": int(len(table.skipped)),
+    })
+    if config.drop_last:
+        stats["undrawn_samples"] = [np.sort(u).tolist() for _, u in draws]
+    p = config.parallel
+    header = PlanHeader(
+        dataset=DatasetInfo(path=str(table.path), num_samples=len(lengths),
+                            num_tokens=int(lengths[lengths > 0].sum()),
+                            fingerprint=fingerprint_lengths(lengths), format=str(table.format)),
+        parallel=ParallelInfo(dp=p.dp, cp=p.cp, tp=p.tp, pp=p.pp, vpp=p.vpp,
+                              sequence_parallel=p.sequence_parallel, pool_size=p.pool_size,
+                              microbatch_group_size=p.group_size),
+        capacity_tokens_per_rank=config.capacity_tokens_per_rank,
+        cp_sizes=tuple(int(k) for k in config.sizes),
+        layout=config.layout,
+        global_batch={"size": config.global_batch_size, "tokens": config.global_batch_tokens,
+                      "drop_last": config.drop_last},
+        seed=config.seed,
+        cost_model=cost.to_header(),
+        stats=stats,
+        epochs=tuple(epochs),
+        solver={"name": SOLVER_NAME, "effort": config.effort, "version": SOLVER_VERSION},
+    )
+    return Plan(header=header, steps=steps)

@@ -1,0 +1,91 @@
+"""Header statistics of a plan, computed from its rows (vectorised; no wall-clock numbers).
+
+Definitions (all over every step of every epoch):
+- ``padding_overhead`` = (padded - real) / real, fillers' padded tokens included;
+  ``alignment_padding`` = padding of real segments only (what alignment to 2k*tp' costs).
+- ``slot_fill`` = real tokens / (N x C x microbatches): how much of the memory slots carries data.
+- ``simulated_seconds`` = sum of cost.simulate_step; ``lower_bound_seconds`` = sum of
+  cost.step_lower_bound with the step's segment lengths and its minimum microbatch count
+  (ceil(padded at the smallest fitting size / (N x C)), rounded up to the microbatch multiple).
+- ``cp_size_groups`` counts groups that hold at least one real segment, per size (keys are
+  strings so the header round-trips through JSON unchanged); ``filler_rows`` counts the rest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from planner.config import PlannerConfig
+from planner.cost import CostModel, simulate_step, step_lower_bound
+from planner.groups import pad_multiple
+
+
+def min_padded(tokens: NDArray[np.int64], config: PlannerConfig) -> NDArray[np.int64]:
+    """Each segment's padded length at the smallest group size that holds it."""
+    tp_eff = config.parallel.tp_eff
+    cap = config.capacity_tokens_per_rank
+    out = np.zeros(len(tokens), dtype=np.int64)
+    for k in reversed(config.sizes):
+        m = pad_multiple(k, tp_eff, config.layout)
+        p = -(-tokens // m) * m
+        out = np.where(p <= k * cap, p, out)
+    return out
+
+
+def plan_stats(steps: list[dict[str, NDArray[Any]]], step_segments: list[NDArray[np.int64]],
+               config: PlannerConfig, cost: CostModel) -> dict[str, Any]:
+    """The header's ``stats`` numbers for the given steps (policy lists are added by the caller)."""
+    n = config.parallel.pool_size
+    cap = config.capacity_tokens_per_rank
+    mult = config.parallel.microbatch_multiple
+    sim = 0.0
+    bound = 0.0
+    mb_per_step = np.zeros(len(steps), dtype=np.int64)
+    for i, (cols, seg) in enumerate(zip(steps, step_segments, strict=True)):
+        mb_per_step[i] = int(cols["microbatch"][-1]) + 1
+        sim += simulate_step(cost, n, cols["microbatch"], cols["rank_start"], cols["cp_size"],
+                             cols["padded_tokens"])
+        need = -(-int(min_padded(seg, config).sum()) // (n * cap))
+        need = -(-max(need, 1) // mult) * mult
+        bound += step_lower_bound(cost, n, seg, config.sizes, cap, config.parallel.tp_eff,
+                                  config.layout, need)
+    if steps:
+        cat = {c: np.concatenate([s[c] for s in steps])
+               for c in ("step", "microbatch", "rank_start", "cp_size", "sample_index",
+                         "num_tokens", "padded_tokens")}
+    else:
+        cat = {c: np.zeros(0, dtype=np.int64) for c in ("step", "microbatch", "rank_start",
+                                                         "cp_size", "sample_index", "num_tokens",
+                                                         "padded_tokens")}
+    real_rows = cat["sample_index"] >= 0
+    real = int(cat["num_tokens"].sum(dtype=np.int64))
+    padded = int(cat["padded_tokens"].sum(dtype=np.int64))
+    align = int(cat["padded_tokens"][real_rows].sum(dtype=np.int64)) - real
+    # A group is a run of rows with equal (step, microbatch, rank_start); fillers sit alone.
+    key = (cat["step"].astype(np.int64) * (int(mb_per_step.max(initial=0)) + 1)
+           + cat["microbatch"]) * (n + 1) + cat["rank_start"]
+    first = np.r_[True, key[1:] != key[:-1]] if len(key) else np.zeros(0, np.bool_)
+    first_real = first & real_rows
+    group_k = cat["cp_size"][first_real]
+    total_mb = int(mb_per_step.sum())
+    return {
+        "num_steps": len(steps),
+        "num_microbatches": total_mb,
+        "microbatches_per_step": {
+            "min": int(mb_per_step.min()) if len(steps) else 0,
+            "mean": float(mb_per_step.mean()) if len(steps) else 0.0,
+            "max": int(mb_per_step.max(initial=0)),
+        },
+        "real_tokens": real,
+        "padded_tokens": padded,
+        "padding_overhead": (padded - real) / real if real else 0.0,
+        "alignment_padding": align,
+        "slot_fill": real / (n * cap * total_mb) if total_mb else 0.0,
+        "simulated_seconds": sim,
+        "lower_bound_seconds": bound,
+        "cp_size_groups": {str(k): int((group_k == k).sum()) for k in config.sizes},
+        "filler_rows": int((~real_rows).sum()),
+    }
