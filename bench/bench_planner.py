@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"simulated {s['simulated_seconds']:.1f} s, lower bound {s['lower_bound_seconds']:.1f} s,"
           f" ratio {s['simulated_seconds'] / s['lower_bound_seconds']:.4f}")
     print(f"slot fill {s['slot_fill']:.4f}, padding overhead {s['padding_overhead']:.6f}, "
-          f"alignment padding {s['alignment_padding']:,} tokens, filler rows {s['filler_rows']:,}")
+          f"alignment padding {s['alignment_padding_tokens']:,} tokens, "
+          f"filler rows {s['filler_rows']:,}")
     print(f"groups per size {s['cp_size_groups']}, split samples {len(s['split_samples'])}")
 
 

@@ -2,7 +2,8 @@
 
 Definitions (all over every step of every epoch):
 - ``padding_overhead`` = (padded - real) / real, fillers' padded tokens included;
-  ``alignment_padding`` = padding of real segments only (what alignment to 2k*tp' costs).
+  ``alignment_padding`` = the same ratio for real segments only (what alignment to 2k*tp' costs),
+  ``alignment_padding_tokens`` that padding in tokens.
 - ``slot_fill`` = real tokens / (N x C x microbatches): how much of the memory slots carries data.
 - ``simulated_seconds`` = sum of cost.simulate_step; ``lower_bound_seconds`` = sum of
   cost.step_lower_bound with the step's segment lengths and its minimum microbatch count
@@ -82,7 +83,8 @@ def plan_stats(steps: list[dict[str, NDArray[Any]]], step_segments: list[NDArray
         "real_tokens": real,
         "padded_tokens": padded,
         "padding_overhead": (padded - real) / real if real else 0.0,
-        "alignment_padding": align,
+        "alignment_padding": align / real if real else 0.0,
+        "alignment_padding_tokens": align,
         "slot_fill": real / (n * cap * total_mb) if total_mb else 0.0,
         "simulated_seconds": sim,
         "lower_bound_seconds": bound,

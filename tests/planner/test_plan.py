@@ -20,6 +20,7 @@ from numpy.typing import NDArray
 from planner.batches import draw_global_batches
 from planner.config import ParallelConfig, PlannerConfig
 from planner.cost import CostModel, load_cost_model, simulate_step
+from planner.greedy import PackingParams, assign_step
 from planner.groups import LAYOUTS, pad_multiple, valid_cp_sizes
 from planner.io import write_plan
 from planner.lengths import LengthTable
@@ -118,6 +119,10 @@ def test_random_plans_are_valid_and_deterministic(case: tuple[LengthTable, Plann
     tab, cfg = case
     plan = make_plan(tab, cfg, COST)
     check_plan(plan, tab, cfg)
+    stats = plan.header.stats
+    real = sum(int(s["num_tokens"].sum()) for s in plan.steps)
+    assert stats["real_tokens"] == real
+    assert stats["num_microbatches"] == sum(int(s["microbatch"][-1]) + 1 for s in plan.steps)
     again = make_plan(tab, cfg, COST)
     assert again.header == plan.header
     for a, b in zip(plan.steps, again.steps, strict=True):
@@ -134,6 +139,27 @@ def test_plan_file_is_byte_identical(tmp_path: Path) -> None:
         path = write_plan(tmp_path / name, plan.header, plan.record_batches())
         digests.append(hashlib.sha256(path.read_bytes()).hexdigest())
     assert digests[0] == digests[1]
+
+
+@given(lengths=st.lists(st.integers(1, 40_000), min_size=1, max_size=300),
+       dp=st.sampled_from([1, 3, 4, 8]), effort=st.sampled_from(["fast", "balanced"]))
+@settings(max_examples=40, deadline=None)
+def test_kernel_prediction_is_the_simulated_time(lengths: list[int], dp: int, effort: str
+                                                 ) -> None:
+    # Nested levels mean no group ever waits for a member, so the kernel's makespan (sum of
+    # its rank loads) is the simulator's critical path, up to the fillers' one-token cost.
+    cfg = config(dp=dp, cp=2, capacity=8192, long_sequences="split", effort=effort)
+    params = PackingParams.from_config(cfg, COST)
+    tokens = np.asarray(lengths, dtype=np.int64)
+    tokens = tokens[tokens <= 2 * dp * 8192]
+    if tokens.size == 0:
+        return
+    out = assign_step(np.arange(len(tokens)), np.zeros(len(tokens), np.int64), tokens, params)
+    sim = simulate_step(COST, 2 * dp, out.microbatch, out.rank_start, out.cp_size,
+                        out.padded_tokens)
+    filler = COST.linear_s_per_token + COST.attention_s_per_token2
+    assert out.predicted_seconds - 1e-9 <= sim
+    assert sim <= out.predicted_seconds + out.num_microbatches * filler + 1e-9
 
 
 # --- edge cases ----------------------------------------------------------------------------------
