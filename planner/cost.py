@@ -176,8 +176,10 @@ def step_lower_bound(cost: CostModel, pool_size: int, lengths: NDArray[np.intege
     """max(sum of each sequence's cheapest rank-seconds / N, the costliest single sequence).
 
     A sequence's cheapest work is min over feasible k of k * t(k) (rank-seconds, no microbatch
-    cost); its fastest time is min over feasible k of t(k). ``num_microbatches_min`` microbatch
-    costs are added, since every rank runs at least that many microbatches.
+    cost) without the ring's fixed latency, which a group pays once however many sequences it
+    packs (charging it per sequence would overstate the bound); its fastest time is min over
+    feasible k of t(k), latency included, since the group holding it pays at least that.
+    ``num_microbatches_min`` microbatch costs are added: every rank runs that many microbatches.
     """
     L = np.asarray(lengths, dtype=np.int64)
     best_work = np.full(L.shape, np.inf)
@@ -187,10 +189,9 @@ def step_lower_bound(cost: CostModel, pool_size: int, lengths: NDArray[np.intege
         m = pad_multiple(k, tp_eff, layout)
         P = (-(-L // m) * m).astype(np.float64)
         fits = P <= k * capacity
-        t = (c[0] * P + c[1] * P * P) / k
-        if k > 1:
-            t = t + (k - 1) * (c[2] + c[3] * P / k)
-        best_work = np.where(fits, np.minimum(best_work, t * k), best_work)
+        work = c[0] * P + c[1] * P * P + (k - 1) * c[3] * P
+        t = work / k + ((k - 1) * c[2] if k > 1 else 0.0)
+        best_work = np.where(fits, np.minimum(best_work, work), best_work)
         best_time = np.where(fits, np.minimum(best_time, t), best_time)
     finite = np.isfinite(best_work)
     work = float(best_work[finite].sum()) / pool_size

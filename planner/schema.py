@@ -153,7 +153,12 @@ def fingerprint_lengths(lengths: NDArray[np.integer]) -> str:
 
 def step_batch(schema: pa.Schema, columns: dict[str, NDArray[Any]]) -> pa.RecordBatch:
     """One step's rows as a record batch with exactly the schema's column types."""
-    arrays = [pa.array(np.asarray(columns[n], dtype=NUMPY_DTYPES[n])) for n in COLUMN_NAMES]
+    # Build from buffers: pa.array(numpy) goes through pandas' type inference on first use,
+    # which costs ~1 s of imports; the columns are plain fixed-width integers.
+    arrays = []
+    for name, typ in COLUMNS:
+        a = np.ascontiguousarray(columns[name], dtype=NUMPY_DTYPES[name])
+        arrays.append(pa.Array.from_buffers(typ, len(a), [None, pa.py_buffer(a)]))
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
