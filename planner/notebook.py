@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from planner.cost import CostModel, simulate_step, step_lower_bound
 from planner.io import PlanFile
-from planner.schema import COLUMN_NAMES, PlanHeader
+from planner.schema import COLUMN_NAMES, PlanHeader, column_numpy
 
 
 def read_plan(path: str | os.PathLike[str]) -> PlanView:
@@ -31,7 +31,7 @@ def read_plan(path: str | os.PathLike[str]) -> PlanView:
 
 
 def _cols(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
-    return {n: batch.column(n).to_numpy() for n in COLUMN_NAMES}
+    return {n: column_numpy(batch, n) for n in COLUMN_NAMES}
 
 
 def step_summary_row(header: PlanHeader, cost: CostModel, step: int,
