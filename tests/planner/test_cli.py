@@ -1,0 +1,110 @@
+"""`dcp-plan` end to end: plan, validate, show, errors that name the problem, nothing partial."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from planner import read_plan
+from planner.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+SAMPLE = ROOT / "data" / "sample.jsonl"
+BASE = ["--dp", "2", "--cp", "2", "--max-tokens-per-rank", "8192", "--global-batch-size", "100",
+        "--long-sequences", "split"]
+
+
+def _sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def test_plan_summary_validate_show(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "p.arrow"
+    assert main([str(SAMPLE), "-o", str(out), *BASE]) == 0
+    text = capsys.readouterr().out
+    for word in ("steps", "microbatches per step", "padding", "slot fill", "lower bound", "speed"):
+        assert word in text
+    assert main(["validate", str(out), str(SAMPLE)]) == 0
+    assert "valid (20 steps" in capsys.readouterr().out
+    assert main(["show", str(out), "--steps", "0:3"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].split()[:3] == ["step", "microbatches", "groups"] and len(lines) == 5
+
+
+def test_same_inputs_give_byte_identical_plans(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.arrow", tmp_path / "b.arrow"
+    assert main([str(SAMPLE), "-o", str(a), "--quiet", *BASE]) == 0
+    assert main([str(SAMPLE), "-o", str(b), "--quiet", *BASE]) == 0
+    assert _sha(a) == _sha(b)
+    c = tmp_path / "c.arrow"
+    assert main([str(SAMPLE), "-o", str(c), "--quiet", *BASE, "--seed", "1"]) == 0
+    assert _sha(a) != _sha(c)
+
+
+def test_default_output_under_plans(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = tmp_path / "mydata.jsonl"
+    data.write_text("".join(json.dumps({"length": n}) + "\n" for n in range(1, 50)))
+    monkeypatch.chdir(tmp_path)
+    assert main([str(data), "--quiet", *BASE]) == 0
+    assert (tmp_path / "plans" / "mydata.arrow").is_file()
+
+
+def test_bad_record_names_file_and_line_and_leaves_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [4, "x"]}\n{"length": 5}\n')
+    out = tmp_path / "bad.arrow"
+    assert main([str(data), "-o", str(out), "--quiet", *BASE]) == 2
+    err = capsys.readouterr().err
+    assert "bad.jsonl:2" in err and "non-integer" in err
+    assert not out.exists() and list(tmp_path.iterdir()) == [data]
+    assert main([str(data), "-o", str(out), "--skip-bad-records", *BASE]) == 0
+    assert "1 bad records skipped" in capsys.readouterr().out
+    plan = read_plan(out)
+    assert plan.header.stats["dropped_samples"] == [1]
+    assert set(plan.table.column("sample_index").to_pylist()) - {-1} == {0, 2}
+
+
+def test_long_sequence_error_names_the_sample(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "long.jsonl"
+    data.write_text('{"length": 10}\n{"length": 40000}\n')
+    assert main([str(data), "-o", str(tmp_path / "x.arrow"), *BASE[:-2]]) == 2
+    err = capsys.readouterr().err
+    assert "sample 1" in err and "40000" in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--cp-sizes", "1,3"], "cp size 3 is not valid for a pool of 4"),
+        (["--min-cp", "8"], "min_cp=8 leaves no group size"),
+        (["--vpp", "2"], "vpp=2 needs pp >= 2"),
+    ],
+)
+def test_bad_flags_are_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                    flags: list[str], message: str) -> None:
+    assert main([str(SAMPLE), "-o", str(tmp_path / "x.arrow"), *BASE, *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_notebook_view_conversions_and_plots(tmp_path: Path) -> None:
+    pytest.importorskip("pandas")
+    pytest.importorskip("polars")
+    mpl = pytest.importorskip("matplotlib")
+    mpl.use("Agg")
+    out = tmp_path / "p.arrow"
+    assert main([str(SAMPLE), "-o", str(out), "--quiet", *BASE]) == 0
+    plan = read_plan(out)
+    df = plan.to_pandas()
+    assert len(df) == plan.table.num_rows
+    assert plan.to_polars().height == len(df)
+    summary = plan.summary().to_pandas()
+    assert list(summary["step"]) == list(range(plan.num_steps))
+    assert np.all(summary["simulated_s"] >= summary["lower_bound_s"] * (1 - 1e-9))
+    assert plan.step(2).column("step").to_pylist() == [2] * plan.step(2).num_rows
+    assert plan.plot_step_load(0) is not None and plan.plot_cp_mix() is not None
