@@ -39,8 +39,9 @@ def per_token_loss(logits: Tensor, labels: Tensor, loss_mask: Tensor) -> tuple[T
         loss_mask: [T], 1 where the token's loss counts and 0 elsewhere (bool or float).
 
     Returns:
-        (loss_sum, num_tokens): a float32 0-d tensor that carries the gradient, and a float32 0-d
-        tensor with the number of counted tokens (a tensor, so no host sync is forced here).
+        (loss_sum, num_tokens): a float32 0-d tensor that carries the gradient, and an int64 0-d
+        tensor with the number of counted tokens (a tensor, so no host sync is forced here; an
+        integer, so pool-wide sums stay exact past float32's 2**24).
 
     Raises:
         ValueError: the shapes disagree.
@@ -54,7 +55,7 @@ def per_token_loss(logits: Tensor, labels: Tensor, loss_mask: Tensor) -> tuple[T
     losses = F.cross_entropy(logits.float(), labels, reduction="none")
     # Masked by multiplication, not indexing: no data-dependent shape, no host sync. Padding rows
     # have label 0 and a finite loss, so 0 * loss is exactly 0.
-    return (losses * mask).sum(), mask.sum()
+    return (losses * mask).sum(), (loss_mask != 0).sum()
 
 
 def global_num_tokens(num_tokens: Tensor, group: dist.ProcessGroup | None) -> Tensor:

@@ -32,6 +32,7 @@ def test_per_token_loss_matches_a_direct_sum() -> None:
             expected += float(torch.logsumexp(row, 0) - row[labels[i]])
     assert math.isclose(float(loss_sum), expected, rel_tol=1e-6)
     assert float(num_tokens) == float(mask.sum())
+    assert num_tokens.dtype == torch.int64
     assert loss_sum.dtype == torch.float32
     assert loss_sum.dim() == 0
 
