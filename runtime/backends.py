@@ -32,7 +32,13 @@ class AttentionBackend:
     """Binds the model's attention to one microbatch and its CP group (a context manager)."""
 
     def bind(self, mb: MicrobatchInputs, cp_group: dist.ProcessGroup | None,
-             cp_global_ranks: Sequence[int]) -> AbstractContextManager[AttentionFn]:
+             cp_global_ranks: Sequence[int], *, host: MicrobatchInputs | None = None
+             ) -> AbstractContextManager[AttentionFn]:
+        """The attention callable for ``mb`` (on the training device).
+
+        ``host`` is the same microbatch on the CPU, as ``runtime.batch`` built it: index math
+        reads its cu_seqlens there instead of copying them back from the GPU (a sync).
+        """
         raise NotImplementedError
 
 
@@ -44,14 +50,17 @@ class ReferenceBackend(AttentionBackend):
 
     @contextmanager
     def bind(self, mb: MicrobatchInputs, cp_group: dist.ProcessGroup | None,
-             cp_global_ranks: Sequence[int]) -> Iterator[AttentionFn]:
+             cp_global_ranks: Sequence[int], *, host: MicrobatchInputs | None = None
+             ) -> Iterator[AttentionFn]:
         from runtime.attention import reference_cp_attention
+
+        meta = host or mb
 
         def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       layer_index: int) -> torch.Tensor:
             del layer_index
             return reference_cp_attention(
-                q, k, v, cu_seqlens_padded=mb.cu_seqlens_padded, cu_seqlens=mb.cu_seqlens,
+                q, k, v, cu_seqlens_padded=meta.cu_seqlens_padded, cu_seqlens=meta.cu_seqlens,
                 cp_size=mb.cp_size, cp_rank=mb.cp_rank, layout=self.layout, group=cp_group)
 
         yield attention
@@ -67,10 +76,12 @@ class TorchBackend(AttentionBackend):
 
     @contextmanager
     def bind(self, mb: MicrobatchInputs, cp_group: dist.ProcessGroup | None,
-             cp_global_ranks: Sequence[int]) -> Iterator[AttentionFn]:
-        yield self.impl.bind(mb.cu_seqlens_padded, mb.cu_seqlens, mb.cp_size, mb.cp_rank,
-                             cp_group, mb.tokens.device if mb.tokens is not None
-                             else torch.device("cpu"))
+             cp_global_ranks: Sequence[int], *, host: MicrobatchInputs | None = None
+             ) -> Iterator[AttentionFn]:
+        meta = host or mb
+        device = mb.tokens.device if mb.tokens is not None else torch.device("cpu")
+        yield self.impl.bind(meta.cu_seqlens_padded, meta.cu_seqlens, mb.cp_size, mb.cp_rank,
+                             cp_group, device)
 
 
 class TEBackend(AttentionBackend):
@@ -89,7 +100,8 @@ class TEBackend(AttentionBackend):
 
     @contextmanager
     def bind(self, mb: MicrobatchInputs, cp_group: dist.ProcessGroup | None,
-             cp_global_ranks: Sequence[int]) -> Iterator[AttentionFn]:
+             cp_global_ranks: Sequence[int], *, host: MicrobatchInputs | None = None
+             ) -> Iterator[AttentionFn]:
         # Each bind_cp_group restores the build-time binding (no CP) in a finally on exit, even
         # when the forward or backward raises (Megatron #7045).
         with ExitStack() as stack:

@@ -52,10 +52,13 @@ import torch.distributed as dist
 from runtime import checkpoint
 from runtime.backends import ATTENTIONS, make_backend
 from runtime.batch import to_device
+from runtime.groups import GroupCatalog
 from runtime.loss import per_token_loss
 from runtime.model import GPT, GPTConfig
 from runtime.plan_reader import PlanReader
+from runtime.replay import Replayer
 from runtime.tokens import TokenSource, open_token_source
+from runtime.topology import Topology
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -206,10 +209,6 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, model_config: GPTConfig, *,
                  reader: PlanReader | None = None, source: TokenSource | None = None) -> None:
-        from runtime.groups import GroupCatalog
-        from runtime.replay import Replayer
-        from runtime.topology import Topology
-
         self.cfg = cfg
         self.device = resolve_device(cfg)
         self.reader = reader or PlanReader(cfg.plan)
@@ -226,7 +225,8 @@ class Trainer:
         # Collective: every rank creates every group of the catalog, in catalog order.
         self.catalog = GroupCatalog.create(self.topology, header.cp_sizes)
         self.pool_group = self.catalog.pool_group
-        self.replayer = Replayer(self.reader, self.source, self.topology, self.catalog)
+        self.replayer = Replayer(self.reader, self.source, self.topology, self.catalog,
+                                 check_dataset=False)  # checked above
         self.model_config = model_config
         self.model = build_model(model_config, cfg.seed, self.device)
         self.optimizer = build_optimizer(self.model, cfg)
@@ -254,7 +254,8 @@ class Trainer:
             assert mb.loss_mask is not None
             # The backward runs inside the binding too: the CP group stays bound until the
             # microbatch's gradients exist, whatever the attention saves for its backward.
-            with self.backend.bind(mb, micro.cp_group, micro.cp_global_ranks) as attention:
+            with self.backend.bind(mb, micro.cp_group, micro.cp_global_ranks,
+                                   host=micro.inputs) as attention:
                 with autocast_context(self.cfg, device):
                     logits = model(mb.tokens, mb.position_ids, attention)
                 local_sum, local_count = per_token_loss(logits, mb.labels, mb.loss_mask)
