@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -13,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.groups import CONTIGUOUS, ZIGZAG, padded_length
-from runtime.model import GPT, AttentionFn, GPTConfig, sequence_attention
+from runtime.model import GPT, GPTConfig, sequence_attention
 from runtime.shard import cu_seqlens_np, shard_indices_np
 from runtime.torch_attention import TorchCPAttention, build_varlen_index
 
@@ -132,42 +130,3 @@ def test_varlen_index_worked_example() -> None:
     assert r1.cu_k.tolist() == [0, 6]
     assert (r0.max_q, r0.max_k, r1.max_q, r1.max_k) == (2, 7, 4, 6)
 
-
-def _cuda_packed_vs_alone(bind: Callable[[torch.Tensor, torch.Tensor], AttentionFn]) -> None:
-    """bf16: the packed forward through ``bind``'s attention equals each sequence alone."""
-    config = GPTConfig(vocab_size=97, num_layers=2, hidden_size=128, num_heads=4,
-                       num_query_groups=2)
-    model = GPT(config, seed=1).cuda()
-    seqs, tokens, positions, cu, cu_pad = _packed([5, 90, 1, 33], pad_to=8)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        packed = model(tokens.cuda(), positions.cuda(), bind(cu_pad.cuda(), cu.cuda()))
-        for s, start in zip(seqs, cu_pad[:-1].tolist(), strict=True):
-            alone = model(s.cuda(), torch.arange(len(s), device="cuda"), sequence_attention)
-            torch.testing.assert_close(packed[start:start + len(s)].float(), alone.float(),
-                                       rtol=3e-2, atol=3e-2)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_varlen_kernel_matches_sequence_attention_on_cuda() -> None:
-    attn = TorchCPAttention(ZIGZAG)
-    _cuda_packed_vs_alone(lambda cu_pad, cu: attn.bind(cu_pad, cu, 1, 0, None,
-                                                       torch.device("cuda")))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_te_attention_matches_sequence_attention_on_cuda() -> None:
-    from runtime import te_adapter
-
-    if not te_adapter.te_available():
-        pytest.skip("Transformer Engine is not importable")
-    modules = [te_adapter.TEAttention(num_heads=4, head_dim=32, num_query_groups=2)
-               for _ in range(2)]
-
-    def bind(cu_pad: torch.Tensor, cu: torch.Tensor) -> AttentionFn:
-        packed = SimpleNamespace(cu_seqlens=cu.int(), cu_seqlens_padded=cu_pad.int(),
-                                 max_seqlen=int((cu_pad[1:] - cu_pad[:-1]).max()))
-        return lambda q, k, v, i: modules[i](q, k, v, packed)
-
-    _cuda_packed_vs_alone(bind)
