@@ -73,13 +73,17 @@ def prepare(args: argparse.Namespace) -> int:
     import pyarrow.ipc as ipc
 
     sys.path.insert(0, str(ROOT))
-    from bench.workloads import wikipedia
+    from bench.workloads import all_long, wikipedia
     from planner.cli import main as dcp_plan
 
     out = Path(args.dir)
     out.mkdir(parents=True, exist_ok=True)
     pool, cap = 2, args.capacity
-    lengths = wikipedia(args.samples, seed=args.seed)
+    if args.workload == "all-long":
+        # The guard: 90% of tokens in sequences that need the whole pool (CP 2 here).
+        lengths = all_long(args.num_tokens, pool, cap, seed=args.seed)
+    else:
+        lengths = wikipedia(args.samples, seed=args.seed)
     lengths = np.clip(lengths, 2, pool * cap)  # every sample fits the pool of 2
     seqs = _synthetic_tokens(lengths, 32000, args.seed)
     data = out / "dataset.arrow"
@@ -87,7 +91,8 @@ def prepare(args: argparse.Namespace) -> int:
     with pa.OSFile(str(data), "wb") as sink, ipc.new_file(sink, table.schema) as w:
         w.write_table(table, max_chunksize=1024)
     common = [str(data), "--dp", "1", "--cp", "2", "--max-tokens-per-rank", str(cap),
-              "--global-batch-tokens", str(args.global_batch_tokens), "--seed", str(args.seed)]
+              "--global-batch-tokens", str(args.global_batch_tokens), "--seed", str(args.seed),
+              "--cost-model", args.cost_model]
     commands = {
         "dynamic": common + ["--cp-sizes", "1,2", "-o", str(out / "dynamic.arrow")],
         "static": common + ["--cp-sizes", "2", "-o", str(out / "static.arrow")],
@@ -96,7 +101,7 @@ def prepare(args: argparse.Namespace) -> int:
         rc = dcp_plan(argv)
         if rc:
             return rc
-    manifest = {"lengths": {"n": int(lengths.size), "tokens": int(lengths.sum()),
+    manifest = {"workload": args.workload, "lengths": {"n": int(lengths.size), "tokens": int(lengths.sum()),
                             "median": int(np.median(lengths)), "max": int(lengths.max())},
                 "capacity": cap, "plans": {k: "dcp-plan " + " ".join(v)
                                            for k, v in commands.items()}}
@@ -213,7 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     pp = sub.add_parser("prepare", help="make the dataset and both plans (CPU machine)")
     pp.add_argument("--dir", default=str(DEFAULT_DIR), help="output directory")
-    pp.add_argument("--samples", type=int, default=2500, help="number of documents")
+    pp.add_argument("--workload", choices=("wikipedia", "all-long"), default="wikipedia",
+                    help="long-tail Wikipedia lengths, or the all-long guard")
+    pp.add_argument("--samples", type=int, default=2500, help="documents (wikipedia)")
+    pp.add_argument("--num-tokens", type=int, default=2_400_000, help="tokens (all-long)")
+    pp.add_argument("--cost-model", default="small-2048-h200",
+                    help="cost model the dynamic plan is made with (preset or JSON)")
     pp.add_argument("--capacity", type=int, default=16384, help="tokens per rank (C)")
     pp.add_argument("--global-batch-tokens", type=int, default=131072, help="tokens per step")
     pp.add_argument("--seed", type=int, default=0, help="workload and plan seed")
