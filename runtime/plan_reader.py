@@ -26,7 +26,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from planner.io import PlanFile
-from planner.schema import COLUMN_NAMES, PlanHeader, fingerprint_lengths
+from planner.schema import COLUMN_NAMES, PlanHeader, column_numpy, fingerprint_lengths
 from planner.schema import validate as validate_plan
 
 if TYPE_CHECKING:
@@ -178,7 +178,7 @@ class PlanReader:
     def step(self, i: int) -> StepPlan:
         """Step ``i``'s rows (O(1): one record batch of the memory-mapped file)."""
         batch = self._file.step(i)
-        cols = {n: batch.column(n).to_numpy() for n in COLUMN_NAMES}
+        cols = {n: column_numpy(batch, n) for n in COLUMN_NAMES}
         return StepPlan.from_columns(i, self.pool_size, cols)
 
     def close(self) -> None:
