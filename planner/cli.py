@@ -71,6 +71,8 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--cost-model", default="default",
                    help="cost-model preset name or JSON file (see planner/presets)")
     p.add_argument("--effort", choices=EFFORTS, default="balanced", help="solver effort")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes that plan steps in parallel (the plan is the same for any N)")
     p.add_argument("--quiet", action="store_true", help="no summary and no progress bar")
     return p
 
@@ -118,7 +120,7 @@ def cmd_plan(argv: list[str]) -> int:
         global_batch_size=args.global_batch_size, global_batch_tokens=args.global_batch_tokens,
         seed=args.seed, epochs=args.epochs, layout=args.layout, cp_sizes=args.cp_sizes,
         min_cp=args.min_cp, long_sequences=args.long_sequences, drop_last=args.drop_last,
-        effort=args.effort, cost_model=args.cost_model)
+        effort=args.effort, cost_model=args.cost_model, workers=args.workers)
     cost = load_cost_model(args.cost_model)
     out = Path(args.output) if args.output else Path("plans") / f"{Path(args.dataset).stem}.arrow"
 

@@ -72,6 +72,31 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class SolverConfig:
+    """Knobs of the step solver (greedy.py, cpsat.py); recorded in the plan header's ``solver``."""
+
+    microbatch_tolerance: float = 0.01
+    """A step takes more microbatches than the fewest that fit only when that is at least this
+    much faster (relative): issue 3 ranks time first, then microbatch count, so near-ties go to
+    fewer microbatches (fuller slots)."""
+    refine_gap: float = 0.02
+    """Steps whose heuristic time exceeds the step's malleable lower bound by more than this
+    (relative) are refined (target search, then CP-SAT) under efforts balanced and max."""
+    cpsat_seconds: float = -1.0
+    """CP-SAT deterministic time per refined step; < 0 means the effort's default (balanced 0.05,
+    max 0.5); 0 disables CP-SAT."""
+    seed: int = 0
+    """CP-SAT random seed (results are reproducible for a fixed seed)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.microbatch_tolerance < 1.0:
+            raise ValueError(
+                f"microbatch_tolerance must be in [0, 1), got {self.microbatch_tolerance}")
+        if self.refine_gap < 0.0:
+            raise ValueError(f"refine_gap must be >= 0, got {self.refine_gap}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class PlannerConfig:
     """Everything that decides a plan; equal configs and lengths give byte-identical plans."""
 
@@ -101,6 +126,10 @@ class PlannerConfig:
     """Solver effort: fast (heuristic only), balanced, max."""
     cost_model: str = "default"
     """Name of a preset or path of a cost-model JSON file."""
+    solver: SolverConfig = SolverConfig()
+    """Solver knobs (tolerances, refinement threshold, CP-SAT budget)."""
+    workers: int = 1
+    """Processes that plan steps in parallel; the plan is identical for every value."""
     sizes: tuple[int, ...] = field(init=False)
     """Resolved group sizes (set from cp_sizes and min_cp)."""
 
@@ -123,6 +152,8 @@ class PlannerConfig:
                 f"long_sequences must be one of {', '.join(LONG_SEQUENCE_POLICIES)}, "
                 f"got {self.long_sequences!r}"
             )
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.effort not in EFFORTS:
             raise ValueError(f"effort must be one of {', '.join(EFFORTS)}, got {self.effort!r}")
         sizes = check_cp_sizes(n, self.cp_sizes) if self.cp_sizes else valid_cp_sizes(n)

@@ -1,50 +1,59 @@
-"""Greedy (LPT) assignment of one step's segments to CP groups and microbatches, in numba.
+"""One step's assignment: search over microbatch counts and targets around the placement kernel.
 
-Structure. Group sizes are nested: every valid size is a power of two dividing N (or N itself),
-so each aligned block of size k lies inside exactly one block of every larger size. Groups are
-placed level by level, largest size first, each level by LPT onto its blocks; the smallest size
-k0 (1 unless ``min_cp`` says otherwise) then fills the remaining per-unit microbatch *cells*.
-Because every group placed so far spans a whole block of the current level or misses it, all
-ranks of a block have the same load and microbatch count when its groups are placed: no group
-ever waits for a member, a group's microbatch index is its block's count, and the simulated
-critical path equals the largest rank load. Bins (groups, cells) exist only in this module.
+Objective (issue 3), lexicographic: the simulated step time, then the microbatch count, then the
+padding. The kernel (place.py) places every segment for a given microbatch count M and target T;
+this module decides which (M, T) to try:
 
-Per-level rules (see cost.py for t):
-1. Size: each segment takes the smallest size whose group holds it; a segment whose lone-group
-   time exceeds the step's average rank load moves up to the smallest larger size that brings it
-   under the average (else its fastest size): the critical path can't beat the costliest group.
-2. Sizes > k0, heaviest first: join an open group of the level (adds t) or open one on the least
-   loaded block (adds t plus the group's fixed cost), whichever ends lower.
-3. Size k0, heaviest first: the least loaded unit with room, into its emptiest cell, so that
-   tokens spread over microbatches (no all-filler microbatch; lower activation peaks). M starts at
-   max(ceil(padded / (N*C)), the blocks' counts), rounded up to the microbatch multiple; if a
-   segment fits nowhere (worst-fit, then best-fit) M grows by the multiple, bounded since
-   M = counts + segments always fits. Effort ``balanced`` (``max``) also tries the next 1 (3)
-   feasible counts and keeps the fastest: extra microbatches loosen capacity for balance.
+1. M starts at the fewest microbatches the tokens need, ceil(padded / (N C)), rounded up to the
+   microbatch multiple, and grows until the kernel places every segment (balance mode, then pack
+   mode, at T = the step's malleable bound, bounds.py). This is ``fast``.
+2. ``balanced`` and ``max``: when the time is more than ``refine_gap`` over the bound, try more
+   targets T (the bound times 1 + delta), then CP-SAT on the heaviest segments (cpsat.py) with the
+   effort's budget. Each candidate is scored by the kernel's exact makespan and the best is kept,
+   so refinement never makes a step worse.
+3. Then M + multiple, M + 2 multiples, ... (balanced: up to 4, stopping after 2 in a row that do
+   not win; max: up to 8, stopping after 3 in a row), each refined the same way, wins only when
+   it is at least ``microbatch_tolerance`` faster than the best so far, and is not tried when
+   its own lower bound already rules that out. Extra microbatches loosen capacity for
+   balance but cost fixed time and leave slots empty.
 
-Trade-off: one greedy pass per level costs O(segments x blocks) and lands within a few percent of
-the lower bound on long-tail mixes; a solver (cpsat.py) can start from its rows.
+Trade-off: ``fast`` is one or two kernel passes per step (O(segments x blocks)); refinement is a
+handful more passes, spent only on the few steps whose gap to the bound is large.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-import numba
 import numpy as np
 from numpy.typing import NDArray
 
+from planner.bounds import malleable_bound
 from planner.config import PlannerConfig
 from planner.cost import CostModel
+from planner.emit import emit_rows
 from planner.groups import pad_multiple
+from planner.items import ItemTables, item_tables
+from planner.place import BALANCE, PACK, place, spread
 
 SOLVER_NAME = "greedy-lpt"
-SOLVER_VERSION = 1
+SOLVER_VERSION = 2
+
+# Targets tried by refinement, as the bound times (1 + delta); max adds plain LPT (T = inf).
+_DELTAS = {"balanced": (0.01, 0.03, 0.06, 0.1, 0.16, 0.25),
+           "max": (0.005, 0.01, 0.02, 0.03, 0.045, 0.06, 0.08, 0.1, 0.13, 0.16, 0.2, 0.25, 0.35,
+                   0.5, np.inf)}
+_EXTRA_MICROBATCHES = {"fast": 2, "balanced": 4, "max": 8}
+# Stop adding microbatches after this many in a row that did not win.
+_MISSES = {"fast": 1, "balanced": 2, "max": 3}
+_CPSAT_SECONDS = {"fast": 0.0, "balanced": 0.05, "max": 0.5}
+_CPSAT_ITEMS = {"fast": 0, "balanced": 8, "max": 16}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PackingParams:
-    """What the kernel needs from the config and the cost model, as numba-friendly arrays."""
+    """What the step solver needs from the config and the cost model."""
 
     pool_size: int
     capacity: int
@@ -55,18 +64,39 @@ class PackingParams:
     cost: NDArray[np.float64]
     """CostModel.as_array()."""
     microbatch_multiple: int
-    extra_microbatches: int
-    """Also try M + i*multiple for i up to this and keep the fastest (effort)."""
+    effort: str = "balanced"
+    microbatch_tolerance: float = 0.01
+    refine_gap: float = 0.02
+    cpsat_seconds: float = 0.05
+    cpsat_items: int = 8
+    seed: int = 0
+    deltas: tuple[float, ...] = field(default=())
 
     @classmethod
     def from_config(cls, config: PlannerConfig, cost: CostModel) -> PackingParams:
         p = config.parallel
+        s = config.solver
         sizes = np.asarray(config.sizes, dtype=np.int64)
         mults = np.array([pad_multiple(int(k), p.tp_eff, config.layout) for k in sizes], np.int64)
-        extra = {"fast": 0, "balanced": 1, "max": 3}[config.effort]
+        cpsat = s.cpsat_seconds if s.cpsat_seconds >= 0 else _CPSAT_SECONDS[config.effort]
         return cls(pool_size=p.pool_size, capacity=config.capacity_tokens_per_rank, sizes=sizes,
                    multiples=mults, cost=cost.as_array(),
-                   microbatch_multiple=p.microbatch_multiple, extra_microbatches=extra)
+                   microbatch_multiple=p.microbatch_multiple, effort=config.effort,
+                   microbatch_tolerance=s.microbatch_tolerance, refine_gap=s.refine_gap,
+                   cpsat_seconds=cpsat, cpsat_items=_CPSAT_ITEMS[config.effort], seed=s.seed,
+                   deltas=_DELTAS.get(config.effort, ()))
+
+    def header(self) -> dict[str, Any]:
+        """The solver settings for the plan header (everything that can change a plan)."""
+        return {"name": SOLVER_NAME, "version": SOLVER_VERSION, "effort": self.effort,
+                "microbatch_tolerance": self.microbatch_tolerance,
+                "refine_gap": self.refine_gap,
+                "extra_microbatches": _EXTRA_MICROBATCHES[self.effort],
+                "extra_microbatch_misses": _MISSES[self.effort],
+                "targets": [d if np.isfinite(d) else "inf" for d in self.deltas],
+                "cpsat": {"max_deterministic_time": self.cpsat_seconds,
+                          "heavy_items": self.cpsat_items, "random_seed": self.seed,
+                          "num_workers": 1} if self.cpsat_seconds > 0 else None}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -85,378 +115,181 @@ class StepAssignment:
     padded_tokens: NDArray[np.int32]
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Placement:
+    """One kernel pass that placed every segment."""
+
+    num_mb: int
+    seconds: float
+    padded: int
+    """Sum of the segments' padded tokens (the third objective)."""
+    num_groups: int
+    item_level: NDArray[np.int64]
+    item_group: NDArray[np.int64]
+    g_level: NDArray[np.int64]
+    g_block: NDArray[np.int64]
+
+    def better_than(self, other: Placement | None) -> bool:
+        """Same M: faster (beyond rounding), or as fast with less padding."""
+        if other is None:
+            return True
+        if self.seconds < other.seconds * (1 - 1e-12):
+            return True
+        return self.seconds <= other.seconds * (1 + 1e-12) and self.padded < other.padded
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepProblem:
+    """A step's segments, their tables and bound, and the solver parameters."""
+
+    tables: ItemTables
+    params: PackingParams
+    core_bound: float
+    """bounds.malleable_bound: the step's bound without microbatch fixed costs."""
+
+    @property
+    def fixed_per_microbatch(self) -> float:
+        """What each microbatch costs every rank at least (a k0 group's fixed time)."""
+        c = self.params.cost
+        return float(c[4] + (self.params.sizes[0] - 1) * c[2])
+
+    def bound(self, num_mb: int) -> float:
+        """The step's malleable lower bound with ``num_mb`` microbatches."""
+        return self.core_bound + num_mb * self.fixed_per_microbatch
+
+    def run(self, num_mb: int, target: float, mode: int = BALANCE,
+            forced: tuple[NDArray[np.int64], NDArray[np.int64]] | None = None
+            ) -> Placement | None:
+        """One kernel pass; None when some segment fits nowhere with ``num_mb`` microbatches."""
+        t = self.tables
+        n = len(t.order)
+        p = self.params
+        if forced is None:
+            forced = (np.full(n, -1, np.int64), np.full(n, -1, np.int64))
+        item_level = np.empty(n, np.int64)
+        item_group = np.empty(n, np.int64)
+        g_level = np.empty(n, np.int64)
+        g_block = np.empty(n, np.int64)
+        num_groups, seconds = place(t.padded, t.fits, t.time, t.min_level, t.order, p.sizes,
+                                    p.capacity, p.pool_size, p.cost, num_mb, target, mode,
+                                    forced[0], forced[1], item_level, item_group, g_level,
+                                    g_block)
+        if num_groups < 0:
+            return None
+        padded = int(t.padded[np.arange(n), item_level].sum())
+        return Placement(num_mb=num_mb, seconds=seconds, padded=padded, num_groups=num_groups,
+                         item_level=item_level, item_group=item_group,
+                         g_level=g_level[:num_groups], g_block=g_block[:num_groups])
+
+    def first_fit(self, num_mb: int) -> Placement | None:
+        """Balance mode at the bound, else pack mode (a tight M may only pack that way)."""
+        target = self.bound(num_mb)
+        return self.run(num_mb, target, BALANCE) or self.run(num_mb, target, PACK)
+
+    def gap(self, best: Placement) -> float:
+        return best.seconds / max(self.bound(best.num_mb), 1e-300) - 1.0
+
+
+def min_microbatches(tables: ItemTables, params: PackingParams) -> int:
+    """ceil(padded tokens at the smallest sizes / (N C)), at least 1, rounded to the multiple."""
+    n = len(tables.order)
+    need = int(tables.padded[np.arange(n), tables.min_level].sum())
+    m = max(1, -(-need // (params.pool_size * params.capacity)))
+    mult = params.microbatch_multiple
+    return -(-m // mult) * mult
+
+
+def refine(problem: StepProblem, best: Placement) -> Placement:
+    """More targets, then CP-SAT on the heaviest segments, at ``best``'s M; keep the best."""
+    p = problem.params
+    m = best.num_mb
+    bound = problem.bound(m)
+    if problem.gap(best) <= p.refine_gap:
+        return best
+    for delta in (0.0, *p.deltas):
+        target = bound * (1.0 + delta)
+        if target >= best.seconds and np.isfinite(delta):
+            break
+        # Pack mode wins where capacity binds (tight M), balance mode elsewhere: try both.
+        for mode in (BALANCE, PACK):
+            cand = problem.run(m, target, mode)
+            if cand is not None and cand.better_than(best):
+                best = cand
+    if p.cpsat_seconds > 0 and p.cpsat_items > 0 and problem.gap(best) > p.refine_gap:
+        from planner.cpsat import refine_heavy
+
+        cand = refine_heavy(problem, best)
+        if cand is not None and cand.better_than(best):
+            best = cand
+    return best
+
+
+def _more_microbatches(problem: StepProblem, best: Placement, do_refine: bool) -> Placement:
+    """Try M + multiple, ... while each can still beat the best by the tolerance."""
+    p = problem.params
+    m = best.num_mb
+    misses = 0
+    for _ in range(_EXTRA_MICROBATCHES[p.effort]):
+        m += p.microbatch_multiple
+        # A larger M is only worth it if its own bound leaves room to win by the tolerance.
+        if best.seconds * (1.0 - p.microbatch_tolerance) <= problem.bound(m):
+            break
+        cand = problem.first_fit(m)
+        if cand is not None and do_refine:
+            cand = refine(problem, cand)
+        if cand is not None and cand.seconds <= best.seconds * (1.0 - p.microbatch_tolerance):
+            best = cand
+            misses = 0
+        else:
+            misses += 1
+            if misses >= _MISSES[p.effort]:
+                break
+    return best
+
+
+def solve_step(problem: StepProblem) -> Placement:
+    """The step's placement under the lexicographic objective (module docstring)."""
+    p = problem.params
+    m = min_microbatches(problem.tables, p)
+    best = problem.first_fit(m)
+    while best is None:
+        # With one microbatch per segment every segment has a block of its own, so this ends.
+        m += p.microbatch_multiple
+        best = problem.first_fit(m)
+    # Cheap passes first: more microbatches without refinement often close the gap alone.
+    best = _more_microbatches(problem, best, do_refine=False)
+    if p.effort == "fast" or problem.gap(best) <= p.refine_gap:
+        return best
+    best = refine(problem, best)
+    return _more_microbatches(problem, best, do_refine=True)
+
+
+def make_problem(tokens: NDArray[np.int64], params: PackingParams) -> StepProblem:
+    """Tables and bound of one step's segments."""
+    t = item_tables(tokens, params.sizes, params.multiples, params.capacity, params.cost)
+    core = malleable_bound(t.lone, t.work, t.fits, params.pool_size) if len(tokens) else 0.0
+    return StepProblem(tables=t, params=params, core_bound=float(core))
+
+
 def assign_step(sample_index: NDArray[np.int64], token_offset: NDArray[np.int64],
                 num_tokens: NDArray[np.int64], params: PackingParams) -> StepAssignment:
     """Place one step's segments (each fits some allowed group) into groups and microbatches."""
-    out = _assign_step(np.asarray(sample_index, np.int64), np.asarray(token_offset, np.int64),
-                       np.asarray(num_tokens, np.int64), params.sizes, params.multiples,
-                       params.capacity, params.pool_size, params.cost,
-                       params.microbatch_multiple, params.extra_microbatches)
-    m, t, mb, start, k, sample, offset, ntok, padded = out
-    return StepAssignment(num_microbatches=int(m), predicted_seconds=float(t), microbatch=mb,
-                          rank_start=start, cp_size=k, sample_index=sample, token_offset=offset,
-                          num_tokens=ntok, padded_tokens=padded)
-
-
-@numba.njit(cache=True)
-def _pad(length: int, multiple: int) -> int:
-    return (length + multiple - 1) // multiple * multiple
-
-
-@numba.njit(cache=True)
-def _seq_time(c: NDArray[np.float64], k: int, p: float) -> float:
-    """A sequence's share of its group's per-rank time (cost.py's t without fixed terms)."""
-    t = (c[0] * p + c[1] * p * p) / k
-    if k > 1:
-        t += (k - 1) * c[3] * p / k
-    return float(t)
-
-
-@numba.njit(cache=True)
-def _fixed_time(c: NDArray[np.float64], k: int) -> float:
-    """A group's fixed per-rank time: the microbatch cost plus k-1 ring-step latencies."""
-    return float(c[4] + (k - 1) * c[2])
-
-
-@numba.njit(cache=True)
-def _choose_sizes(tokens: NDArray[np.int64], sizes: NDArray[np.int64],
-                  mults: NDArray[np.int64], capacity: int, pool_size: int,
-                  c: NDArray[np.float64]) -> NDArray[np.int64]:
-    """Index into ``sizes`` per segment: the smallest that fits, raised for the heaviest ones."""
-    n = len(tokens)
-    num_sizes = len(sizes)
-    sidx = np.empty(n, dtype=np.int64)
-    lone = np.empty(n, dtype=np.float64)
-    work = 0.0
-    for i in range(n):
-        sidx[i] = -1
-        for s in range(num_sizes):
-            if _pad(tokens[i], mults[s]) <= sizes[s] * capacity:
-                sidx[i] = s
-                break
-        if sidx[i] < 0:
-            raise ValueError("a segment does not fit the largest group")
-        k = sizes[sidx[i]]
-        t = _seq_time(c, k, float(_pad(tokens[i], mults[sidx[i]])))
-        lone[i] = t + _fixed_time(c, k)
-        work += k * t
-    avg = work / pool_size
-    order = np.argsort(-lone, kind="mergesort")
-    for j in range(n):
-        i = order[j]
-        # Upgrades only raise the average, so once one segment is under it the rest are too.
-        if lone[i] <= avg:
-            break
-        s0 = sidx[i]
-        best = s0
-        best_t = lone[i]
-        chosen = -1
-        for s in range(s0 + 1, num_sizes):
-            p = _pad(tokens[i], mults[s])
-            if p > sizes[s] * capacity:
-                continue
-            t = _seq_time(c, sizes[s], float(p)) + _fixed_time(c, sizes[s])
-            if t <= avg:
-                chosen = s
-                break
-            if t < best_t:
-                best = s
-                best_t = t
-        if chosen < 0:
-            chosen = best
-        if chosen != s0:
-            p0 = float(_pad(tokens[i], mults[s0]))
-            p1 = float(_pad(tokens[i], mults[chosen]))
-            work += (sizes[chosen] * _seq_time(c, sizes[chosen], p1)
-                     - sizes[s0] * _seq_time(c, sizes[s0], p0))
-            avg = work / pool_size
-            sidx[i] = chosen
-    return sidx
-
-
-@numba.njit(cache=True)
-def _place_levels(sidx: NDArray[np.int64], padded: NDArray[np.int64], seq_t: NDArray[np.float64],
-                  order: NDArray[np.int64], sizes: NDArray[np.int64], capacity: int,
-                  pool_size: int, c: NDArray[np.float64], load: NDArray[np.float64],
-                  count: NDArray[np.int64], g_start: NDArray[np.int64], g_k: NDArray[np.int64],
-                  g_mb: NDArray[np.int64], seg_group: NDArray[np.int64]) -> int:
-    """Place segments of sizes > sizes[0]; return the number of groups opened."""
-    n = len(sidx)
-    g_fill = np.zeros(n, dtype=np.int64)
-    open_groups = np.empty(n, dtype=np.int64)
-    num_groups = 0
-    for s in range(len(sizes) - 1, 0, -1):
-        k = sizes[s]
-        room = k * capacity
-        fixed = _fixed_time(c, k)
-        num_blocks = pool_size // k
-        # Groups that cannot take even the level's smallest segment leave the open list, so a
-        # level of segments that each fill a group costs O(n), not O(n^2).
-        min_p = room
-        for i in range(n):
-            if sidx[i] == s and padded[i] < min_p:
-                min_p = padded[i]
-        num_open = 0
-        for j in range(n):
-            i = order[j]
-            if sidx[i] != s:
-                continue
-            p = padded[i]
-            t = seq_t[i]
-            join = -1
-            join_at = -1
-            join_end = np.inf
-            for q in range(num_open):
-                g = open_groups[q]
-                if g_fill[g] + p > room:
-                    continue
-                end = load[g_start[g]] + t
-                # Ties go to the fuller group (first-fit-decreasing keeps big holes open), then
-                # to the older one, so the result does not depend on the open list's order.
-                if end < join_end or (end == join_end and (
-                        g_fill[g] > g_fill[join] or (g_fill[g] == g_fill[join] and g < join))):
-                    join = g
-                    join_at = q
-                    join_end = end
-            block = 0
-            for b in range(1, num_blocks):
-                if load[b * k] < load[block * k]:
-                    block = b
-            if join >= 0 and join_end <= load[block * k] + t + fixed:
-                g = join
-            else:
-                g = num_groups
-                num_groups += 1
-                r0 = block * k
-                g_start[g] = r0
-                g_k[g] = k
-                g_mb[g] = count[r0]
-                for r in range(r0, r0 + k):
-                    count[r] += 1
-                    load[r] += fixed
-                join_at = num_open
-                open_groups[num_open] = g
-                num_open += 1
-            g_fill[g] += p
-            for r in range(g_start[g], g_start[g] + k):
-                load[r] += t
-            seg_group[i] = g
-            if g_fill[g] + min_p > room:
-                num_open -= 1
-                open_groups[join_at] = open_groups[num_open]
-    return num_groups
-
-
-@numba.njit(cache=True)
-def _fill_cells(sidx: NDArray[np.int64], padded: NDArray[np.int64], seq_t: NDArray[np.float64],
-                order: NDArray[np.int64], k0: int, capacity: int, pool_size: int,
-                c: NDArray[np.float64], load: NDArray[np.float64], count: NDArray[np.int64],
-                num_mb: int, best_fit: bool, seg_unit: NDArray[np.int64],
-                seg_mb: NDArray[np.int64]) -> float:
-    """Place size-k0 segments into the units' free microbatches; the makespan, or -1 if stuck."""
-    units = pool_size // k0
-    room = k0 * capacity
-    fill = np.zeros((units, num_mb), dtype=np.int64)
-    min_fill = np.zeros(units, dtype=np.int64)
-    mb_fill = np.zeros(num_mb, dtype=np.int64)
-    uload = np.empty(units, dtype=np.float64)
-    for u in range(units):
-        # Every free cell runs a microbatch (real or filler), so its fixed cost is paid anyway.
-        uload[u] = load[u * k0] + (num_mb - count[u * k0]) * _fixed_time(c, k0)
-        if count[u * k0] >= num_mb:
-            min_fill[u] = room + 1  # no free cell: nothing fits
-    for j in range(len(order)):
-        i = order[j]
-        if sidx[i] != 0:
-            continue
-        p = padded[i]
-        best = -1
-        for u in range(units):
-            if min_fill[u] + p <= room and (best < 0 or uload[u] < uload[best]):
-                best = u
-        if best < 0:
-            return -1.0
-        cell = -1
-        for m in range(count[best * k0], num_mb):
-            f = fill[best, m]
-            if f + p > room:
-                continue
-            if cell < 0:
-                cell = m
-                continue
-            fc = fill[best, cell]
-            better = f > fc if best_fit else f < fc
-            # Equal fills go to the microbatch with the fewest tokens pool-wide, so that work
-            # spreads over all M microbatches instead of leaving whole ones to fillers.
-            if better or (f == fc and mb_fill[m] < mb_fill[cell]):
-                cell = m
-        fill[best, cell] += p
-        mb_fill[cell] += p
-        uload[best] += seq_t[i]
-        lo = room + 1
-        for m in range(count[best * k0], num_mb):
-            if fill[best, m] < lo:
-                lo = fill[best, m]
-        min_fill[best] = lo
-        seg_unit[i] = best
-        seg_mb[i] = cell
-    return float(uload.max())
-
-
-@numba.njit(cache=True)
-def _search_microbatches(sidx: NDArray[np.int64], padded: NDArray[np.int64],
-                         seq_t: NDArray[np.float64], order: NDArray[np.int64], k0: int,
-                         capacity: int, pool_size: int, c: NDArray[np.float64],
-                         load: NDArray[np.float64], count: NDArray[np.int64], mb_multiple: int,
-                         extra: int, seg_unit: NDArray[np.int64], seg_mb: NDArray[np.int64]
-                         ) -> tuple[int, float]:
-    """Fill the size-k0 cells for the smallest feasible M (and ``extra`` more); (M, makespan)."""
-    n = len(sidx)
-    n0 = 0
-    total = 0
-    for i in range(n):
-        total += padded[i]
-        if sidx[i] == 0:
-            n0 += 1
-    max_count = count.max()
-    num_mb = max(max_count, -(-total // (pool_size * capacity)), 1)
-    num_mb = -(-num_mb // mb_multiple) * mb_multiple
-    # With max_count + n0 microbatches every size-k0 segment has an empty cell of its own, so
-    # the search ends by then at the latest.
-    limit = -(-(max_count + n0 + 1) // mb_multiple) * mb_multiple
-    try_unit = np.full(n, -1, dtype=np.int64)
-    try_mb = np.full(n, -1, dtype=np.int64)
-    best_t = np.inf
-    best_m = 0
-    tries_left = extra + 1
-    while tries_left > 0 and num_mb <= limit:
-        # Worst-fit spreads tokens; when it strands a segment, best-fit may still pack this M.
-        t = _fill_cells(sidx, padded, seq_t, order, k0, capacity, pool_size, c, load, count,
-                        num_mb, False, try_unit, try_mb)
-        if t < 0:
-            t = _fill_cells(sidx, padded, seq_t, order, k0, capacity, pool_size, c, load, count,
-                            num_mb, True, try_unit, try_mb)
-        if t >= 0:
-            # A larger M must be strictly faster to win: fewer microbatches are cheaper to run.
-            if t < best_t * (1.0 - 1e-9):
-                best_t = t
-                best_m = num_mb
-                seg_unit[:] = try_unit
-                seg_mb[:] = try_mb
-            tries_left -= 1
-        num_mb += mb_multiple
-    if best_m == 0:
-        raise ValueError("no microbatch count up to the bound fits the step (internal error)")
-    return best_m, best_t
-
-
-@numba.njit(cache=True)
-def _emit_rows(sample: NDArray[np.int64], offset: NDArray[np.int64], tokens: NDArray[np.int64],
-               padded: NDArray[np.int64], order: NDArray[np.int64], seg_gid: NDArray[np.int64],
-               grid: NDArray[np.int64], grp_k: NDArray[np.int64], filler_padded: int
-               ) -> tuple[NDArray[np.int32], NDArray[np.int32], NDArray[np.int32],
-                          NDArray[np.int64], NDArray[np.int64], NDArray[np.int32],
-                          NDArray[np.int32]]:
-    """Rows sorted by (microbatch, rank_start); ``grid[m, r]`` = group starting at rank r."""
-    n = len(sample)
-    num_mb, pool_size = grid.shape
-    members = np.zeros(len(grp_k) + 1, dtype=np.int64)
-    for i in range(n):
-        members[seg_gid[i] + 1] += 1
-    num_rows = n
-    for m in range(num_mb):
-        for r in range(pool_size):
-            if grid[m, r] >= 0 and members[grid[m, r] + 1] == 0:
-                num_rows += 1
-    for g in range(len(grp_k)):
-        members[g + 1] += members[g]
-    # Segments per group in placement order (heaviest first) = the group's packing order.
-    pos = members[:-1].copy()
-    by_group = np.empty(n, dtype=np.int64)
-    for j in range(n):
-        i = order[j]
-        by_group[pos[seg_gid[i]]] = i
-        pos[seg_gid[i]] += 1
-    o_mb = np.empty(num_rows, dtype=np.int32)
-    o_start = np.empty(num_rows, dtype=np.int32)
-    o_k = np.empty(num_rows, dtype=np.int32)
-    o_sample = np.empty(num_rows, dtype=np.int64)
-    o_offset = np.empty(num_rows, dtype=np.int64)
-    o_tokens = np.empty(num_rows, dtype=np.int32)
-    o_padded = np.empty(num_rows, dtype=np.int32)
-    row = 0
-    for m in range(num_mb):
-        r = 0
-        while r < pool_size:
-            g = grid[m, r]
-            if g < 0:
-                raise ValueError("microbatch partition has a hole (internal error)")
-            a = members[g]
-            b = members[g + 1]
-            for q in range(a, max(b, a + 1)):
-                o_mb[row] = m
-                o_start[row] = r
-                o_k[row] = grp_k[g]
-                if q < b:
-                    i = by_group[q]
-                    o_sample[row] = sample[i]
-                    o_offset[row] = offset[i]
-                    o_tokens[row] = tokens[i]
-                    o_padded[row] = padded[i]
-                else:
-                    # Filler: an idle group still runs the microbatch, with one alignment unit.
-                    o_sample[row] = -1
-                    o_offset[row] = 0
-                    o_tokens[row] = 0
-                    o_padded[row] = filler_padded
-                row += 1
-            r += grp_k[g]
-    return o_mb, o_start, o_k, o_sample, o_offset, o_tokens, o_padded
-
-
-@numba.njit(cache=True)
-def _assign_step(sample: NDArray[np.int64], offset: NDArray[np.int64], tokens: NDArray[np.int64],
-                 sizes: NDArray[np.int64], mults: NDArray[np.int64], capacity: int,
-                 pool_size: int, c: NDArray[np.float64], mb_multiple: int, extra: int
-                 ) -> tuple[int, float, NDArray[np.int32], NDArray[np.int32], NDArray[np.int32],
-                            NDArray[np.int64], NDArray[np.int64], NDArray[np.int32],
-                            NDArray[np.int32]]:
-    n = len(tokens)
-    sidx = _choose_sizes(tokens, sizes, mults, capacity, pool_size, c)
-    padded = np.empty(n, dtype=np.int64)
-    seq_t = np.empty(n, dtype=np.float64)
-    for i in range(n):
-        padded[i] = _pad(tokens[i], mults[sidx[i]])
-        seq_t[i] = _seq_time(c, sizes[sidx[i]], float(padded[i]))
-    # Heaviest first; the stable sort makes ties follow the step's own (permutation) order.
-    order = np.argsort(-seq_t, kind="mergesort")
-    load = np.zeros(pool_size, dtype=np.float64)
-    count = np.zeros(pool_size, dtype=np.int64)
-    g_start = np.empty(n, dtype=np.int64)
-    g_k = np.empty(n, dtype=np.int64)
-    g_mb = np.empty(n, dtype=np.int64)
-    seg_group = np.full(n, -1, dtype=np.int64)
-    num_groups = _place_levels(sidx, padded, seq_t, order, sizes, capacity, pool_size, c, load,
-                               count, g_start, g_k, g_mb, seg_group)
-    k0 = sizes[0]
-    seg_unit = np.full(n, -1, dtype=np.int64)
-    seg_mb = np.full(n, -1, dtype=np.int64)
-    num_mb, makespan = _search_microbatches(sidx, padded, seq_t, order, k0, capacity, pool_size,
-                                            c, load, count, mb_multiple, extra, seg_unit, seg_mb)
-
-    # Groups: the level groups, then one per (unit, free microbatch), real or filler.
-    units = pool_size // k0
-    grid = np.full((num_mb, pool_size), -1, dtype=np.int64)
-    grp_k = np.full(num_groups + units * num_mb, k0, dtype=np.int64)
-    for g in range(num_groups):
-        grid[g_mb[g], g_start[g]] = g
-        grp_k[g] = g_k[g]
-    for u in range(units):
-        for m in range(count[u * k0], num_mb):
-            grid[m, u * k0] = num_groups + u * num_mb + m
-    seg_gid = seg_group.copy()
-    for i in range(n):
-        if sidx[i] == 0:
-            seg_gid[i] = num_groups + seg_unit[i] * num_mb + seg_mb[i]
-    rows = _emit_rows(sample, offset, tokens, padded, order, seg_gid, grid, grp_k, mults[0])
-    return (num_mb, makespan) + rows
+    tokens = np.asarray(num_tokens, np.int64)
+    problem = make_problem(tokens, params)
+    best = solve_step(problem)
+    t = problem.tables
+    g_level = np.empty(len(tokens), np.int64)
+    g_block = np.empty(len(tokens), np.int64)
+    g_level[:best.num_groups] = best.g_level
+    g_block[:best.num_groups] = best.g_block
+    item_group = best.item_group.copy()
+    num_groups = spread(t.padded, t.order, best.item_level, item_group, g_level, g_block,
+                        best.num_groups, params.sizes, params.capacity, params.pool_size,
+                        best.num_mb)
+    mb, start, k, sample, offset, ntok, padded = emit_rows(
+        np.asarray(sample_index, np.int64), np.asarray(token_offset, np.int64), tokens,
+        t.padded, t.order, best.item_level, item_group, g_level, g_block, num_groups,
+        params.sizes, params.pool_size, best.num_mb, int(params.multiples[0]))
+    return StepAssignment(num_microbatches=best.num_mb, predicted_seconds=best.seconds,
+                          microbatch=mb, rank_start=start, cp_size=k, sample_index=sample,
+                          token_offset=offset, num_tokens=ntok, padded_tokens=padded)

@@ -5,7 +5,8 @@ and cost model give the same arrays and (through io.write_plan) a byte-identical
 
 Flow per epoch: ``draw_global_batches`` (eligible samples in permutation order) -> each batch's
 samples become segments (one per sample; several for a sample the ``split`` policy cuts) ->
-``greedy.assign_step`` -> the step's rows. A step may reorder its own samples, never another's.
+``greedy.assign_step`` per step (``parallel.plan_steps``: in ``workers`` processes, same result)
+-> the step's rows. A step may reorder its own samples, never another's.
 
 Long sequences: a sample fits when some allowed group size holds it after padding. Otherwise the
 policy decides: ``error`` raises naming the sample; ``split`` cuts it into segments of
@@ -28,8 +29,9 @@ from numpy.typing import NDArray
 from planner.batches import draw_global_batches
 from planner.config import PlannerConfig
 from planner.cost import CostModel
-from planner.greedy import SOLVER_NAME, SOLVER_VERSION, PackingParams, assign_step
+from planner.greedy import PackingParams
 from planner.groups import pad_multiple
+from planner.parallel import StepJobs, plan_steps
 from planner.plan_stats import plan_stats
 from planner.schema import (
     COLUMN_NAMES,
@@ -165,31 +167,40 @@ def make_plan(table: LengthTable, config: PlannerConfig, cost: CostModel, *,
                                  global_batch_tokens=config.global_batch_tokens,
                                  drop_last=config.drop_last) for e in range(config.epochs)]
     total_steps = sum(len(b) for b, _ in draws)
-    steps: list[dict[str, NDArray[Any]]] = []
-    step_segments: list[NDArray[np.int64]] = []
+    parts: list[tuple[NDArray[np.int64], ...]] = []
     epochs: list[tuple[int, int]] = []
+    num_steps = 0
     for batches, _ in draws:
-        epochs.append((len(steps), len(batches)))
+        epochs.append((num_steps, len(batches)))
+        num_steps += len(batches)
         if not batches:
             continue
         sample, offset, tokens, count = _segments(np.concatenate(batches), policy)
         per_step = np.add.reduceat(count, np.cumsum([0] + [len(b) for b in batches[:-1]]))
-        bounds = np.r_[0, np.cumsum(per_step)].tolist()
-        for j in range(len(batches)):
-            a, b = bounds[j], bounds[j + 1]
-            out = assign_step(sample[a:b], offset[a:b], tokens[a:b], params)
-            cols: dict[str, NDArray[Any]] = {
-                "step": np.full(len(out.microbatch), len(steps), dtype=np.int32),
-                "microbatch": out.microbatch, "rank_start": out.rank_start,
-                "cp_size": out.cp_size, "sample_index": out.sample_index,
-                "token_offset": out.token_offset, "num_tokens": out.num_tokens,
-                "padded_tokens": out.padded_tokens,
-            }
-            assert tuple(cols) == COLUMN_NAMES
-            steps.append(cols)
-            step_segments.append(tokens[a:b])
-            if progress is not None:
-                progress(len(steps), total_steps)
+        parts.append((sample, offset, tokens, per_step))
+    if parts:
+        jobs = StepJobs(sample=np.concatenate([q[0] for q in parts]),
+                        offset=np.concatenate([q[1] for q in parts]),
+                        tokens=np.concatenate([q[2] for q in parts]),
+                        bounds=np.r_[0, np.cumsum(np.concatenate([q[3] for q in parts]))])
+    else:
+        empty = np.zeros(0, dtype=np.int64)
+        jobs = StepJobs(sample=empty, offset=empty, tokens=empty, bounds=np.zeros(1, np.int64))
+    assert jobs.num_steps == total_steps
+    report = None if progress is None else (lambda done: progress(done, total_steps))
+    steps: list[dict[str, NDArray[Any]]] = []
+    step_segments: list[NDArray[np.int64]] = []
+    for j, out in enumerate(plan_steps(jobs, params, config.workers, report)):
+        cols: dict[str, NDArray[Any]] = {
+            "step": np.full(len(out.microbatch), j, dtype=np.int32),
+            "microbatch": out.microbatch, "rank_start": out.rank_start,
+            "cp_size": out.cp_size, "sample_index": out.sample_index,
+            "token_offset": out.token_offset, "num_tokens": out.num_tokens,
+            "padded_tokens": out.padded_tokens,
+        }
+        assert tuple(cols) == COLUMN_NAMES
+        steps.append(cols)
+        step_segments.append(jobs.tokens[jobs.bounds[j]:jobs.bounds[j + 1]])
 
     split_samples = np.flatnonzero(policy.split).tolist()
     stats = plan_stats(steps, step_segments, config, cost)
@@ -218,6 +229,6 @@ def make_plan(table: LengthTable, config: PlannerConfig, cost: CostModel, *,
         cost_model=cost.to_header(),
         stats=stats,
         epochs=tuple(epochs),
-        solver={"name": SOLVER_NAME, "effort": config.effort, "version": SOLVER_VERSION},
+        solver=params.header(),
     )
     return Plan(header=header, steps=steps)

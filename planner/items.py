@@ -1,0 +1,91 @@
+"""Per-segment tables the step kernels share: padded length, time and work at every group size.
+
+For a step's segments and the allowed sizes s_0 < ... < s_{L-1} (levels), ``item_tables`` gives,
+per segment i and level l (cost.py's formula, split into the parts the kernels need):
+
+- ``padded[i, l]``: the segment padded to the level's multiple (groups.pad_multiple);
+- ``fits[i, l]``: whether it fits one group of the level (padded <= s_l * C);
+- ``time[i, l]``: its share of a group's per-rank time, (a P + b P^2) / s_l plus the ring's
+  per-token term (s_l - 1) * cp_token * P / s_l, without any per-group fixed cost;
+- ``lone[i, l]``: the time of a group holding it alone, ring latency included (no microbatch cost);
+- ``work[i, l]`` = s_l * time[i, l]: rank-seconds without latency. Work grows with the size (the
+  ring adds work and padding only grows), so the smallest fitting level is the cheapest.
+
+``min_level[i]`` is the smallest fitting level, ``order`` the placement order: largest work at
+the smallest level first (LPT), ties by position in the step (the drawn order), so the result
+does not depend on the sort algorithm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+from numpy.typing import NDArray
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ItemTables:
+    """Per-segment, per-level tables of one step (see the module docstring)."""
+
+    padded: NDArray[np.int64]
+    fits: NDArray[np.bool_]
+    time: NDArray[np.float64]
+    lone: NDArray[np.float64]
+    work: NDArray[np.float64]
+    min_level: NDArray[np.int64]
+    order: NDArray[np.int64]
+
+
+@numba.njit(cache=True)
+def seq_time(c: NDArray[np.float64], k: int, p: float) -> float:
+    """A sequence's share of its group's per-rank time (cost.py's t without fixed terms)."""
+    t = (c[0] * p + c[1] * p * p) / k
+    if k > 1:
+        t += (k - 1) * c[3] * p / k
+    return float(t)
+
+
+@numba.njit(cache=True)
+def _tables(tokens: NDArray[np.int64], sizes: NDArray[np.int64], mults: NDArray[np.int64],
+            capacity: int, c: NDArray[np.float64]
+            ) -> tuple[NDArray[np.int64], NDArray[np.bool_], NDArray[np.float64],
+                       NDArray[np.float64], NDArray[np.float64], NDArray[np.int64],
+                       NDArray[np.int64]]:
+    n = len(tokens)
+    num_levels = len(sizes)
+    padded = np.empty((n, num_levels), dtype=np.int64)
+    fits = np.empty((n, num_levels), dtype=np.bool_)
+    time = np.empty((n, num_levels), dtype=np.float64)
+    lone = np.empty((n, num_levels), dtype=np.float64)
+    work = np.empty((n, num_levels), dtype=np.float64)
+    min_level = np.full(n, -1, dtype=np.int64)
+    key = np.empty(n, dtype=np.float64)
+    for i in range(n):
+        for lv in range(num_levels):
+            k = sizes[lv]
+            m = mults[lv]
+            p = (tokens[i] + m - 1) // m * m
+            padded[i, lv] = p
+            fits[i, lv] = p <= k * capacity
+            t = seq_time(c, k, float(p))
+            time[i, lv] = t
+            lone[i, lv] = t + (k - 1) * c[2]
+            work[i, lv] = k * t
+            if min_level[i] < 0 and fits[i, lv]:
+                min_level[i] = lv
+        if min_level[i] < 0:
+            raise ValueError("a segment does not fit the largest group")
+        key[i] = -work[i, min_level[i]]
+    order = np.argsort(key, kind="mergesort")
+    return padded, fits, time, lone, work, min_level, order
+
+
+def item_tables(tokens: NDArray[np.int64], sizes: NDArray[np.int64], mults: NDArray[np.int64],
+                capacity: int, cost: NDArray[np.float64]) -> ItemTables:
+    """The step's tables; ``cost`` is CostModel.as_array(). Raises if a segment fits no size."""
+    padded, fits, time, lone, work, min_level, order = _tables(
+        np.asarray(tokens, np.int64), sizes, mults, capacity, cost)
+    return ItemTables(padded=padded, fits=fits, time=time, lone=lone, work=work,
+                      min_level=min_level, order=order)

@@ -1,0 +1,289 @@
+"""The placement kernel (numba): one pass that puts a step's segments into groups on rank blocks.
+
+Structure. Group sizes are nested (each a power of two dividing N, or N itself), so the aligned
+blocks of all levels form a tree: every block of size k lies inside exactly one block of each
+larger size. If every rank runs its groups largest size first, the members of a group have run
+the same larger groups before it (they share all enclosing blocks), so no group ever waits for a
+member: the simulated critical path is the largest rank load, whatever the placement. That is
+why the kernel only tracks, per block of every level, its ranks' largest load and largest group
+count, and the microbatch index of a group is fixed only when rows are emitted (emit.py).
+
+Rules. With the microbatch count M fixed, every rank runs M microbatches; a rank that is in no
+group in some microbatch runs a filler at the smallest size k0, so each rank starts with M times
+the k0 fixed cost, and opening a group of size k adds (k - k0) ring latencies to each member.
+Segments come heaviest first (items.py order). For a segment, level by level from its smallest
+fitting size up, the best option of a level is the block whose ranks end lowest if it takes the
+segment, joining a group with room there (best fit) or opening a group (count < M).
+- ``balance`` mode: take the first level whose best option ends within the limit (the least
+  work that meets it); when no level does, the option that ends lowest over all levels. The
+  limit is the target T, or the highest rank load so far if that is higher (ending below the
+  current critical path costs nothing). T = +inf
+  gives plain LPT at the cheapest sizes; T = the bound promotes exactly the segments whose cheap
+  size would stick out above it, counting what larger groups already hold on the same ranks.
+- ``pack`` mode: as balance, but within the chosen level prefer, among blocks that end within T,
+  the one with the tightest room that fits (best fit in tokens), so that a tight M packs.
+- ``forced`` items (level, block >= 0) go where they are told (cpsat.py's answer).
+A segment that fits nowhere makes the pass fail (returns -1): the caller tries a larger M.
+
+Bins (groups) exist only here and in cpsat.py; rows come from emit.py.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numpy.typing import NDArray
+
+BALANCE = 0
+PACK = 1
+
+
+@numba.njit(cache=True)
+def block_layout(sizes: NDArray[np.int64], pool_size: int
+                 ) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """(blocks per level, offset of each level's first block in the flat block arrays)."""
+    num_levels = len(sizes)
+    num_blocks = np.empty(num_levels, dtype=np.int64)
+    offset = np.empty(num_levels, dtype=np.int64)
+    acc = 0
+    for lv in range(num_levels):
+        num_blocks[lv] = pool_size // sizes[lv]
+        offset[lv] = acc
+        acc += num_blocks[lv]
+    return num_blocks, offset
+
+
+@numba.njit(cache=True)
+def _add(lv: int, b: int, dload: float, dcount: int, sizes: NDArray[np.int64],
+         offset: NDArray[np.int64], bload: NDArray[np.float64], bcount: NDArray[np.int64]) -> None:
+    """Add to every rank of block (lv, b); keep every block's max load and max count exact."""
+    for sub in range(lv + 1):
+        r = sizes[lv] // sizes[sub]
+        for j in range(offset[sub] + b * r, offset[sub] + (b + 1) * r):
+            bload[j] += dload
+            bcount[j] += dcount
+    child = b
+    for up in range(lv + 1, len(sizes)):
+        r = sizes[up] // sizes[up - 1]
+        parent = child // r
+        mx = -np.inf
+        mc = 0
+        for j in range(offset[up - 1] + parent * r, offset[up - 1] + (parent + 1) * r):
+            mx = max(mx, bload[j])
+            mc = max(mc, bcount[j])
+        bload[offset[up] + parent] = mx
+        bcount[offset[up] + parent] = mc
+        child = parent
+
+
+@numba.njit(cache=True)
+def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.float64],
+          min_level: NDArray[np.int64], order: NDArray[np.int64], sizes: NDArray[np.int64],
+          capacity: int, pool_size: int, c: NDArray[np.float64], num_mb: int, target: float,
+          mode: int, forced_level: NDArray[np.int64], forced_block: NDArray[np.int64],
+          item_level: NDArray[np.int64], item_group: NDArray[np.int64],
+          g_level: NDArray[np.int64], g_block: NDArray[np.int64]) -> tuple[int, float]:
+    """Place every segment; (number of groups, makespan), or (-1, inf) if one fits nowhere.
+
+    Outputs: ``item_level``/``item_group`` per segment, ``g_level``/``g_block`` per group (in
+    creation order, which emit.py keeps among the groups of one block).
+    """
+    n = len(order)
+    num_levels = len(sizes)
+    num_blocks, offset = block_layout(sizes, pool_size)
+    total_blocks = offset[-1] + num_blocks[-1]
+    k0 = sizes[0]
+    base = num_mb * (c[4] + (k0 - 1) * c[2])
+    bload = np.full(total_blocks, base, dtype=np.float64)
+    bcount = np.zeros(total_blocks, dtype=np.int64)
+    # Groups of each block (at most num_mb: each takes a microbatch of all its ranks).
+    blk_ng = np.zeros(total_blocks, dtype=np.int64)
+    blk_g = np.empty((total_blocks, num_mb), dtype=np.int64)
+    blk_room = np.full(total_blocks, -1, dtype=np.int64)
+    g_fill = np.zeros(n, dtype=np.int64)
+    num_groups = 0
+    # Once some rank ends above the target, anything that ends below that rank is free.
+    limit = max(target, base)
+    # Rank-seconds placed so far and still to come (at the cheapest sizes): an option that
+    # ends above the limit is scored by max(its end, the average load it leads to), so that a
+    # wide group (low end, much work) does not win by merely pushing every rank up.
+    placed = base * pool_size
+    to_come = 0.0
+    for i in range(n):
+        to_come += time[i, min_level[i]] * sizes[min_level[i]]
+    for j in range(n):
+        i = order[j]
+        to_come -= time[i, min_level[i]] * sizes[min_level[i]]
+        lv_pick = -1
+        b_pick = -1
+        if forced_level[i] >= 0:
+            lv_pick = forced_level[i]
+            b_pick = forced_block[i]
+            bb = offset[lv_pick] + b_pick
+            if blk_room[bb] < padded[i, lv_pick] and bcount[bb] >= num_mb:
+                return -1, np.inf
+        else:
+            any_end = np.inf
+            any_lv = -1
+            any_b = -1
+            for lv in range(min_level[i], num_levels):
+                if not fits[i, lv]:
+                    continue
+                p = padded[i, lv]
+                t = time[i, lv]
+                open_cost = (sizes[lv] - k0) * c[2]
+                best_end = np.inf
+                best_b = -1
+                fit_end = np.inf
+                fit_b = -1
+                fit_room = 0
+                for b in range(num_blocks[lv]):
+                    bb = offset[lv] + b
+                    if blk_room[bb] >= p:
+                        end = bload[bb] + t
+                        if mode == PACK and end <= limit:
+                            room = sizes[lv] * capacity
+                            for q in range(blk_ng[bb]):
+                                g = blk_g[bb, q]
+                                left = sizes[lv] * capacity - g_fill[g] - p
+                                if 0 <= left < room:
+                                    room = left
+                            if fit_b < 0 or room < fit_room:
+                                fit_b = b
+                                fit_room = room
+                                fit_end = end
+                    elif bcount[bb] < num_mb:
+                        end = bload[bb] + t + open_cost
+                    else:
+                        continue
+                    if end < best_end:
+                        best_end = end
+                        best_b = b
+                if fit_b >= 0:
+                    best_b = fit_b
+                    best_end = fit_end
+                if best_b < 0:
+                    continue
+                if best_end <= limit:
+                    lv_pick = lv
+                    b_pick = best_b
+                    break
+                score = max(best_end, (placed + to_come + (best_end - bload[offset[lv] + best_b])
+                                       * sizes[lv]) / pool_size)
+                if score < any_end:
+                    any_end = score
+                    any_lv = lv
+                    any_b = best_b
+            if lv_pick < 0:
+                if any_lv < 0:
+                    return -1, np.inf
+                lv_pick = any_lv
+                b_pick = any_b
+        # Join the fullest group of the block that still holds the segment, else open one.
+        bb = offset[lv_pick] + b_pick
+        p = padded[i, lv_pick]
+        room_cap = sizes[lv_pick] * capacity
+        g_pick = -1
+        for q in range(blk_ng[bb]):
+            g = blk_g[bb, q]
+            if g_fill[g] + p <= room_cap and (g_pick < 0 or g_fill[g] > g_fill[g_pick]):
+                g_pick = g
+        if g_pick >= 0:
+            g_fill[g_pick] += p
+            placed += time[i, lv_pick] * sizes[lv_pick]
+            _add(lv_pick, b_pick, time[i, lv_pick], 0, sizes, offset, bload, bcount)
+        else:
+            g_pick = num_groups
+            num_groups += 1
+            g_level[g_pick] = lv_pick
+            g_block[g_pick] = b_pick
+            g_fill[g_pick] = p
+            blk_g[bb, blk_ng[bb]] = g_pick
+            blk_ng[bb] += 1
+            placed += (time[i, lv_pick] + (sizes[lv_pick] - k0) * c[2]) * sizes[lv_pick]
+            _add(lv_pick, b_pick, time[i, lv_pick] + (sizes[lv_pick] - k0) * c[2], 1, sizes,
+                 offset, bload, bcount)
+        room = -1
+        for q in range(blk_ng[bb]):
+            room = max(room, room_cap - g_fill[blk_g[bb, q]])
+        blk_room[bb] = room
+        limit = max(limit, bload[bb])
+        item_level[i] = lv_pick
+        item_group[i] = g_pick
+    makespan = 0.0
+    for u in range(num_blocks[0]):
+        makespan = max(makespan, bload[u])
+    return num_groups, makespan
+
+
+@numba.njit(cache=True)
+def spread(padded: NDArray[np.int64], order: NDArray[np.int64], item_level: NDArray[np.int64],
+           item_group: NDArray[np.int64], g_level: NDArray[np.int64], g_block: NDArray[np.int64],
+           num_groups: int, sizes: NDArray[np.int64], capacity: int, pool_size: int,
+           num_mb: int) -> int:
+    """Spread each unit's smallest-size groups over its free microbatches; the new group count.
+
+    A unit's k0 groups and its fillers all cost the k0 fixed time, so re-packing its k0 segments
+    into more groups (worst fit, heaviest first) changes no rank's load: it only turns fillers
+    into real groups, which lowers the activation peak and leaves no microbatch of fillers only
+    when M was rounded up to the microbatch multiple. A unit whose re-pack fails keeps its groups.
+    """
+    num_blocks, offset = block_layout(sizes, pool_size)
+    total_blocks = offset[-1] + num_blocks[-1]
+    blk_ng = np.zeros(total_blocks, dtype=np.int64)
+    for g in range(num_groups):
+        blk_ng[offset[g_level[g]] + g_block[g]] += 1
+    count = blk_ng[:num_blocks[0]].copy()
+    for u in range(num_blocks[0]):
+        b = u
+        for lv in range(1, len(sizes)):
+            b = b // (sizes[lv] // sizes[lv - 1])
+            count[u] += blk_ng[offset[lv] + b]
+    n = len(order)
+    unit_items = np.zeros(num_blocks[0], dtype=np.int64)
+    for i in range(n):
+        if item_level[i] == 0:
+            unit_items[g_block[item_group[i]]] += 1
+    room = sizes[0] * capacity
+    bins = np.empty(num_mb, dtype=np.int64)
+    fill = np.empty(num_mb, dtype=np.int64)
+    new_group = np.empty(n, dtype=np.int64)
+    for u in range(num_blocks[0]):
+        own = blk_ng[u]
+        extra = min(num_mb - count[u], unit_items[u] - own)
+        if own == 0 or extra <= 0:
+            continue
+        num_bins = 0
+        for g in range(num_groups):
+            if g_level[g] == 0 and g_block[g] == u:
+                bins[num_bins] = g
+                num_bins += 1
+        for q in range(extra):
+            bins[num_bins + q] = num_groups + q
+        num_bins += extra
+        fill[:num_bins] = 0
+        ok = True
+        for j in range(n):
+            i = order[j]
+            if item_level[i] != 0 or g_block[item_group[i]] != u:
+                continue
+            best = -1
+            for q in range(num_bins):
+                if fill[q] + padded[i, 0] <= room and (best < 0 or fill[q] < fill[best]):
+                    best = q
+            if best < 0:
+                ok = False
+                break
+            fill[best] += padded[i, 0]
+            new_group[i] = bins[best]
+        if not ok:
+            continue
+        for j in range(n):
+            i = order[j]
+            if item_level[i] == 0 and g_block[item_group[i]] == u:
+                item_group[i] = new_group[i]
+        for q in range(extra):
+            g_level[num_groups + q] = 0
+            g_block[num_groups + q] = u
+        num_groups += extra
+    return num_groups
