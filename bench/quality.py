@@ -6,7 +6,8 @@ smallest static cp that fits every sample, and Megatron's ``default_dynamic_cp``
 every step with ``planner.cost.simulate_step`` under the same cost model and print one table:
 
 - T/LB: simulated time over ``step_lower_bound`` (the same bound for every method): over the
-  run (sum/sum), and the mean and p95 of the per-step ratios;
+  run (sum/sum), and the mean and p95 of the per-step ratios; T/LB*: over the run, against
+  planner.bounds' tighter (malleable) bound at the same microbatch counts;
 - ours x: the method's total simulated time over ours (> 1: ours is faster);
 - pad%: padded over real tokens of the placed samples, minus 1; fill%: real tokens over the
   N x C x microbatches token slots; mb/step: microbatches per step; imb: mean over microbatches
@@ -49,7 +50,8 @@ from bench.baselines import (
 from bench.workloads import NAMES, SPECS, make_workload
 from planner.config import ParallelConfig, PlannerConfig
 from planner.cost import CostModel, load_cost_model, simulate_step, step_lower_bound
-from planner.groups import ZIGZAG, valid_cp_sizes
+from planner.greedy import PackingParams, make_problem
+from planner.groups import ZIGZAG, pad_multiple, valid_cp_sizes
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,6 +62,7 @@ class Score:
     steps: int
     sim: NDArray[np.float64]
     bound: NDArray[np.float64]
+    tight: NDArray[np.float64]
     pad: float
     fill: float
     microbatches: float
@@ -93,7 +96,10 @@ def score(method: str, plan: Any, lengths: NDArray[np.int64], batches: list[NDAr
     tp_eff = 1
     sizes = valid_cp_sizes(n)
     num = min(max_steps, len(plan.steps))
-    sim, bound = np.zeros(num), np.zeros(num)
+    sim, bound, tight = np.zeros(num), np.zeros(num), np.zeros(num)
+    params = PackingParams(pool_size=n, capacity=capacity, sizes=np.asarray(sizes, np.int64),
+                           multiples=np.array([pad_multiple(k, tp_eff, ZIGZAG) for k in sizes]),
+                           cost=cost.as_array(), microbatch_multiple=1)
     real = padded = slots = mbs = 0
     imb: list[float] = []
     for i in range(num):
@@ -101,15 +107,16 @@ def score(method: str, plan: Any, lengths: NDArray[np.int64], batches: list[NDAr
         mb, start, k, pt = c["microbatch"], c["rank_start"], c["cp_size"], c["padded_tokens"]
         sim[i] = simulate_step(cost, n, mb, start, k, pt)
         step_len = lengths[batches[i]]
-        bound[i] = step_lower_bound(cost, n, step_len, sizes, capacity, tp_eff, ZIGZAG,
-                                    -(-int(step_len.sum()) // (n * capacity)))
+        need = -(-int(step_len.sum()) // (n * capacity))
+        bound[i] = step_lower_bound(cost, n, step_len, sizes, capacity, tp_eff, ZIGZAG, need)
+        tight[i] = make_problem(step_len, params).bound(need)
         m = int(mb.max()) + 1
         real += int(c["num_tokens"].sum())
         padded += int(pt[c["sample_index"] >= 0].sum())
         slots += n * capacity * m
         mbs += m
         imb += _imbalance(cost, n, mb, start, k, pt)
-    return Score(method=method, steps=num, sim=sim, bound=bound, pad=padded / max(real, 1) - 1,
+    return Score(method=method, steps=num, sim=sim, bound=bound, tight=tight, pad=padded / max(real, 1) - 1,
                  fill=real / max(slots, 1), microbatches=mbs / max(num, 1),
                  imbalance=float(np.mean(imb)) if imb else float("nan"),
                  kseq_per_s=num_seqs / seconds / 1e3 if seconds > 0 else float("inf"), note=note)
@@ -188,7 +195,7 @@ def evaluate(workload: str, pool: int, cost_names: list[str], args: argparse.Nam
         for label, run, note in runs:
             if run is None:
                 scores.append(Score(method=label, steps=0, sim=np.zeros(0), bound=np.zeros(0),
-                                    pad=math.nan, fill=math.nan, microbatches=math.nan,
+                                    tight=np.zeros(0), pad=math.nan, fill=math.nan, microbatches=math.nan,
                                     imbalance=math.nan, kseq_per_s=math.nan, note=note))
                 continue
             _same_batches(run, ours, scored)
@@ -202,7 +209,7 @@ def evaluate(workload: str, pool: int, cost_names: list[str], args: argparse.Nam
 
 
 HEADER = (f"{'workload':<10} {'N':>3} {'C':>7} {'cost model':<15} {'method':<26} {'steps':>5} "
-          f"{'T/LB':>6} {'mean':>6} {'p95':>6} {'ours x':>7} {'pad%':>6} {'fill%':>6} "
+          f"{'T/LB':>6} {'mean':>6} {'p95':>6} {'T/LB*':>6} {'ours x':>7} {'pad%':>6} {'fill%':>6} "
           f"{'mb/step':>7} {'imb':>5} {'kseq/s':>8}")
 
 
@@ -212,13 +219,14 @@ def _cells(s: Score, ours: Score) -> str:
     ratio = s.sim / s.bound
     x = s.sim.sum() / ours.sim.sum() if ours.steps else math.nan
     return (f"{s.steps:>5} {s.sim.sum() / s.bound.sum():>6.3f} {ratio.mean():>6.3f} "
-            f"{np.percentile(ratio, 95):>6.3f} {x:>7.3f} {100 * s.pad:>6.2f} {100 * s.fill:>6.1f} "
+            f"{np.percentile(ratio, 95):>6.3f} {s.sim.sum() / s.tight.sum():>6.3f} {x:>7.3f} {100 * s.pad:>6.2f} {100 * s.fill:>6.1f} "
             f"{s.microbatches:>7.2f} {s.imbalance:>5.2f} {s.kseq_per_s:>8.1f}"
             + (f"  {s.note}" if s.note else ""))
 
 
 def _warm_up() -> None:
-    """Compile our planner's numba kernels once, so no row's planning speed pays for it."""
+    """Compile our planner's numba kernels (and import OR-Tools) once, so no row pays for it."""
+    import planner.cpsat  # noqa: F401
     from planner.plan import make_plan
 
     config = PlannerConfig(parallel=ParallelConfig(dp=2, cp=4), capacity_tokens_per_rank=4096,

@@ -7,14 +7,15 @@ this module decides which (M, T) to try:
 1. M starts at the fewest microbatches the tokens need, ceil(padded / (N C)), rounded up to the
    microbatch multiple, and grows until the kernel places every segment (balance mode, then pack
    mode, at T = the step's malleable bound, bounds.py). This is ``fast``.
-2. ``balanced`` and ``max``: when the time is more than ``refine_gap`` over the bound, try more
-   targets T (the bound times 1 + delta), then CP-SAT on the heaviest segments (cpsat.py) with the
-   effort's budget. Each candidate is scored by the kernel's exact makespan and the best is kept,
-   so refinement never makes a step worse.
-3. Then M + multiple, M + 2 multiples, ... (balanced: up to 4, stopping after 2 in a row that do
-   not win; max: up to 8, stopping after 3 in a row), each refined the same way, wins only when
-   it is at least ``microbatch_tolerance`` faster than the best so far, and is not tried when
-   its own lower bound already rules that out. Extra microbatches loosen capacity for
+2. Then M + multiple, M + 2 multiples, ... (fast: up to 2, stopping at the first that does not
+   win; balanced: up to 4, stopping after 2 in a row; max: up to 8, after 3): a larger M wins
+   only when it is at least ``microbatch_tolerance`` faster than the best so far, and is not
+   tried when its own lower bound already rules that out.
+3. ``balanced`` and ``max``, only when the time is still more than ``refine_gap`` over the bound:
+   more targets T (the bound times 1 + delta, balance and pack mode) at the chosen M, step 2 again
+   with those targets, then one CP-SAT call on the heaviest segments (cpsat.py) at the chosen M
+   with the effort's deterministic-time budget. Every candidate is scored by the kernel's exact
+   makespan and the best is kept, so refinement never makes a step worse. Extra microbatches loosen capacity for
    balance but cost fixed time and leave slots empty.
 
 Trade-off: ``fast`` is one or two kernel passes per step (O(segments x blocks)); refinement is a
@@ -106,6 +107,8 @@ class StepAssignment:
     num_microbatches: int
     predicted_seconds: float
     """The kernel's critical path (fillers' token cost excluded)."""
+    bound_seconds: float
+    """The step's malleable lower bound (bounds.py) at its fewest microbatches."""
     microbatch: NDArray[np.int32]
     rank_start: NDArray[np.int32]
     cp_size: NDArray[np.int32]
@@ -200,7 +203,7 @@ def min_microbatches(tables: ItemTables, params: PackingParams) -> int:
 
 
 def refine(problem: StepProblem, best: Placement) -> Placement:
-    """More targets, then CP-SAT on the heaviest segments, at ``best``'s M; keep the best."""
+    """More targets (balance and pack mode) at ``best``'s M; keep the best."""
     p = problem.params
     m = best.num_mb
     bound = problem.bound(m)
@@ -215,12 +218,6 @@ def refine(problem: StepProblem, best: Placement) -> Placement:
             cand = problem.run(m, target, mode)
             if cand is not None and cand.better_than(best):
                 best = cand
-    if p.cpsat_seconds > 0 and p.cpsat_items > 0 and problem.gap(best) > p.refine_gap:
-        from planner.cpsat import refine_heavy
-
-        cand = refine_heavy(problem, best)
-        if cand is not None and cand.better_than(best):
-            best = cand
     return best
 
 
@@ -261,7 +258,15 @@ def solve_step(problem: StepProblem) -> Placement:
     if p.effort == "fast" or problem.gap(best) <= p.refine_gap:
         return best
     best = refine(problem, best)
-    return _more_microbatches(problem, best, do_refine=True)
+    best = _more_microbatches(problem, best, do_refine=True)
+    if p.cpsat_seconds > 0 and p.cpsat_items > 0 and problem.gap(best) > p.refine_gap:
+        # One CP-SAT call per step, at the chosen M: the solver budget per step is bounded.
+        from planner.cpsat import refine_heavy
+
+        cand = refine_heavy(problem, best)
+        if cand is not None and cand.better_than(best):
+            best = cand
+    return best
 
 
 def make_problem(tokens: NDArray[np.int64], params: PackingParams) -> StepProblem:
@@ -290,6 +295,7 @@ def assign_step(sample_index: NDArray[np.int64], token_offset: NDArray[np.int64]
         np.asarray(sample_index, np.int64), np.asarray(token_offset, np.int64), tokens,
         t.padded, t.order, best.item_level, item_group, g_level, g_block, num_groups,
         params.sizes, params.pool_size, best.num_mb, int(params.multiples[0]))
+    bound = problem.bound(min_microbatches(t, params))
     return StepAssignment(num_microbatches=best.num_mb, predicted_seconds=best.seconds,
-                          microbatch=mb, rank_start=start, cp_size=k, sample_index=sample,
+                          bound_seconds=bound, microbatch=mb, rank_start=start, cp_size=k, sample_index=sample,
                           token_offset=offset, num_tokens=ntok, padded_tokens=padded)

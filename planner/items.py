@@ -8,8 +8,11 @@ per segment i and level l (cost.py's formula, split into the parts the kernels n
 - ``time[i, l]``: its share of a group's per-rank time, (a P + b P^2) / s_l plus the ring's
   per-token term (s_l - 1) * cp_token * P / s_l, without any per-group fixed cost;
 - ``lone[i, l]``: the time of a group holding it alone, ring latency included (no microbatch cost);
-- ``work[i, l]`` = s_l * time[i, l]: rank-seconds without latency. Work grows with the size (the
-  ring adds work and padding only grows), so the smallest fitting level is the cheapest.
+- ``work[i, l]`` = s_l * time[i, l] plus its share of the group's ring latency, (s_l - 1) *
+  cp_fixed * P / C (a group holds at most s_l * C tokens, so the shares never exceed the
+  latency it pays): rank-seconds a schedule must spend on the segment at that size. Work grows
+  with the size (the ring adds work and padding only grows): the smallest fitting level is the
+  cheapest.
 
 ``min_level[i]`` is the smallest fitting level, ``order`` the placement order: largest work at
 the smallest level first (LPT), ties by position in the step (the drawn order), so the result
@@ -72,7 +75,9 @@ def _tables(tokens: NDArray[np.int64], sizes: NDArray[np.int64], mults: NDArray[
             t = seq_time(c, k, float(p))
             time[i, lv] = t
             lone[i, lv] = t + (k - 1) * c[2]
-            work[i, lv] = k * t
+            # A group's ring latency, (k-1) c2 on each of k ranks, is shared by at most k C
+            # padded tokens: charging each segment its token share keeps the bound valid.
+            work[i, lv] = k * t + (k - 1) * c[2] * p / capacity
             if min_level[i] < 0 and fits[i, lv]:
                 min_level[i] = lv
         if min_level[i] < 0:

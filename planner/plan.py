@@ -190,7 +190,9 @@ def make_plan(table: LengthTable, config: PlannerConfig, cost: CostModel, *,
     report = None if progress is None else (lambda done: progress(done, total_steps))
     steps: list[dict[str, NDArray[Any]]] = []
     step_segments: list[NDArray[np.int64]] = []
+    tight: list[float] = []
     for j, out in enumerate(plan_steps(jobs, params, config.workers, report)):
+        tight.append(out.bound_seconds)
         cols: dict[str, NDArray[Any]] = {
             "step": np.full(len(out.microbatch), j, dtype=np.int32),
             "microbatch": out.microbatch, "rank_start": out.rank_start,
@@ -203,7 +205,7 @@ def make_plan(table: LengthTable, config: PlannerConfig, cost: CostModel, *,
         step_segments.append(jobs.tokens[jobs.bounds[j]:jobs.bounds[j + 1]])
 
     split_samples = np.flatnonzero(policy.split).tolist()
-    stats = plan_stats(steps, step_segments, config, cost)
+    stats = plan_stats(steps, step_segments, config, cost, tight)
     stats.update({
         "dropped_samples": policy.dropped.tolist(),
         "truncated_samples": policy.truncated,

@@ -7,7 +7,10 @@ Definitions (all over every step of every epoch):
 - ``slot_fill`` = real tokens / (N x C x microbatches): how much of the memory slots carries data.
 - ``simulated_seconds`` = sum of cost.simulate_step; ``lower_bound_seconds`` = sum of
   cost.step_lower_bound with the step's segment lengths and its minimum microbatch count
-  (ceil(padded at the smallest fitting size / (N x C)), rounded up to the microbatch multiple).
+  (ceil(padded at the smallest fitting size / (N x C)), rounded up to the microbatch multiple):
+  issue 3's bound, max(cheapest work / N, costliest single sequence) per step.
+  ``malleable_lower_bound_seconds`` = the sum of bounds.py's tighter bound (every sequence at
+  one size for both terms), at the same microbatch counts.
 - ``cp_size_groups`` counts groups that hold at least one real segment, per size (keys are
   strings so the header round-trips through JSON unchanged); ``filler_rows`` counts the rest.
 """
@@ -37,8 +40,13 @@ def min_padded(tokens: NDArray[np.int64], config: PlannerConfig) -> NDArray[np.i
 
 
 def plan_stats(steps: list[dict[str, NDArray[Any]]], step_segments: list[NDArray[np.int64]],
-               config: PlannerConfig, cost: CostModel) -> dict[str, Any]:
-    """The header's ``stats`` numbers for the given steps (policy lists are added by the caller)."""
+               config: PlannerConfig, cost: CostModel,
+               tight_bounds: list[float] | None = None) -> dict[str, Any]:
+    """The header's ``stats`` numbers for the given steps (policy lists are added by the caller).
+
+    ``tight_bounds``: each step's malleable lower bound (greedy.StepAssignment.bound_seconds),
+    summed into ``malleable_lower_bound_seconds`` when given.
+    """
     n = config.parallel.pool_size
     cap = config.capacity_tokens_per_rank
     mult = config.parallel.microbatch_multiple
@@ -88,6 +96,8 @@ def plan_stats(steps: list[dict[str, NDArray[Any]]], step_segments: list[NDArray
         "slot_fill": real / (n * cap * total_mb) if total_mb else 0.0,
         "simulated_seconds": sim,
         "lower_bound_seconds": bound,
+        **({"malleable_lower_bound_seconds": float(sum(tight_bounds))}
+           if tight_bounds is not None else {}),
         "cp_size_groups": {str(k): int((group_k == k).sum()) for k in config.sizes},
         "filler_rows": int((~real_rows).sum()),
     }
