@@ -7,10 +7,12 @@ per segment i and level l (cost.py's formula, split into the parts the kernels n
 - ``fits[i, l]``: whether it fits one group of the level (padded <= s_l * C);
 - ``time[i, l]``: its share of a group's per-rank time, (a P + b P^2) / s_l plus the ring's
   per-token term (s_l - 1) * cp_token * P / s_l, without any per-group fixed cost;
-- ``lone[i, l]``: the time of a group holding it alone, ring latency included (no microbatch cost);
-- ``work[i, l]`` = s_l * time[i, l] plus its share of the group's ring latency, (s_l - 1) *
-  cp_fixed * P / C (a group holds at most s_l * C tokens, so the shares never exceed the
-  latency it pays): rank-seconds a schedule must spend on the segment at that size. Work grows
+- ``lone[i, l]``: the time of a group holding it alone, with the ring latency beyond what a
+  group of the smallest size k0 pays ((s_l - k0) * cp_fixed: every microbatch of every rank
+  pays k0's, and the callers count that with the microbatch cost);
+- ``work[i, l]`` = s_l * time[i, l] plus its share of that extra latency, (s_l - k0) * cp_fixed
+  * P / C (a group holds at most s_l * C tokens, so the shares never exceed the latency it
+  pays): rank-seconds a schedule must spend on the segment at that size. Work grows
   with the size (the ring adds work and padding only grows): the smallest fitting level is the
   cheapest.
 
@@ -65,6 +67,7 @@ def _tables(tokens: NDArray[np.int64], sizes: NDArray[np.int64], mults: NDArray[
     work = np.empty((n, num_levels), dtype=np.float64)
     min_level = np.full(n, -1, dtype=np.int64)
     key = np.empty(n, dtype=np.float64)
+    k0 = sizes[0]
     for i in range(n):
         for lv in range(num_levels):
             k = sizes[lv]
@@ -74,10 +77,12 @@ def _tables(tokens: NDArray[np.int64], sizes: NDArray[np.int64], mults: NDArray[
             fits[i, lv] = p <= k * capacity
             t = seq_time(c, k, float(p))
             time[i, lv] = t
-            lone[i, lv] = t + (k - 1) * c[2]
-            # A group's ring latency, (k-1) c2 on each of k ranks, is shared by at most k C
-            # padded tokens: charging each segment its token share keeps the bound valid.
-            work[i, lv] = k * t + (k - 1) * c[2] * p / capacity
+            # Ring latency beyond the smallest size's, which every microbatch of every rank
+            # pays anyway (counted with the microbatch cost). A group's extra latency,
+            # (k - k0) c2 on each of k ranks, is shared by at most k C padded tokens: charging
+            # each segment its token share keeps the bound valid.
+            lone[i, lv] = t + (k - k0) * c[2]
+            work[i, lv] = k * t + (k - k0) * c[2] * p / capacity
             if min_level[i] < 0 and fits[i, lv]:
                 min_level[i] = lv
         if min_level[i] < 0:
