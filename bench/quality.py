@@ -116,7 +116,8 @@ def score(method: str, plan: Any, lengths: NDArray[np.int64], batches: list[NDAr
         slots += n * capacity * m
         mbs += m
         imb += _imbalance(cost, n, mb, start, k, pt)
-    return Score(method=method, steps=num, sim=sim, bound=bound, tight=tight, pad=padded / max(real, 1) - 1,
+    return Score(method=method, steps=num, sim=sim, bound=bound, tight=tight,
+                 pad=padded / max(real, 1) - 1,
                  fill=real / max(slots, 1), microbatches=mbs / max(num, 1),
                  imbalance=float(np.mean(imb)) if imb else float("nan"),
                  kseq_per_s=num_seqs / seconds / 1e3 if seconds > 0 else float("inf"), note=note)
@@ -195,7 +196,8 @@ def evaluate(workload: str, pool: int, cost_names: list[str], args: argparse.Nam
         for label, run, note in runs:
             if run is None:
                 scores.append(Score(method=label, steps=0, sim=np.zeros(0), bound=np.zeros(0),
-                                    tight=np.zeros(0), pad=math.nan, fill=math.nan, microbatches=math.nan,
+                                    tight=np.zeros(0), pad=math.nan, fill=math.nan,
+                                    microbatches=math.nan,
                                     imbalance=math.nan, kseq_per_s=math.nan, note=note))
                 continue
             _same_batches(run, ours, scored)
@@ -219,7 +221,8 @@ def _cells(s: Score, ours: Score) -> str:
     ratio = s.sim / s.bound
     x = s.sim.sum() / ours.sim.sum() if ours.steps else math.nan
     return (f"{s.steps:>5} {s.sim.sum() / s.bound.sum():>6.3f} {ratio.mean():>6.3f} "
-            f"{np.percentile(ratio, 95):>6.3f} {s.sim.sum() / s.tight.sum():>6.3f} {x:>7.3f} {100 * s.pad:>6.2f} {100 * s.fill:>6.1f} "
+            f"{np.percentile(ratio, 95):>6.3f} {s.sim.sum() / s.tight.sum():>6.3f} {x:>7.3f} "
+            f"{100 * s.pad:>6.2f} {100 * s.fill:>6.1f} "
             f"{s.microbatches:>7.2f} {s.imbalance:>5.2f} {s.kseq_per_s:>8.1f}"
             + (f"  {s.note}" if s.note else ""))
 

@@ -16,7 +16,7 @@ other work as a fluid that spreads evenly:
     minimise Z.
 
 Times are integers in units of bound / 20000 (0.005% resolution). The heuristic's placement
-of the heavy segments is the hint (AddHint) and its makespan an upper bound on Z, so the search
+of the heavy segments is the hint (add_hint) and its makespan an upper bound on Z, so the search
 starts from a feasible point. The kernel then places the heavy segments where CP-SAT put them
 (place.py ``forced``) and everything else with Z as the target; greedy.py keeps the result only
 if it is better, so CP-SAT never makes a step worse.
@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
+from numpy.typing import NDArray
 from ortools.sat.python import cp_model
 
 from planner.place import BALANCE, PACK, block_layout
@@ -40,7 +41,8 @@ if TYPE_CHECKING:
 RESOLUTION = 20000
 
 
-def solve_heavy(problem: StepProblem, best: Placement) -> tuple[np.ndarray, np.ndarray, float] | None:
+def solve_heavy(problem: StepProblem, best: Placement
+                ) -> tuple[NDArray[np.int64], NDArray[np.int64], float] | None:
     """(forced level, forced block, fluid makespan Z in seconds) for the heavy segments."""
     t = problem.tables
     p = problem.params
@@ -64,7 +66,7 @@ def solve_heavy(problem: StepProblem, best: Placement) -> tuple[np.ndarray, np.n
     upper = int(np.ceil(best.seconds / unit))
 
     model = cp_model.CpModel()
-    z = model.NewIntVar(0, 2 * upper + base + 1, "z")
+    z = model.new_int_var(0, 2 * upper + base + 1, "z")
     cover: list[list[tuple[cp_model.IntVar, int]]] = [[] for _ in range(units)]
     count: list[list[cp_model.IntVar]] = [[] for _ in range(units)]
     total: list[tuple[cp_model.IntVar, int]] = []
@@ -78,7 +80,7 @@ def solve_heavy(problem: StepProblem, best: Placement) -> tuple[np.ndarray, np.n
             k = int(sizes[lv])
             cost = int(round(t.time[i, lv] / unit))
             for b in range(int(num_blocks[lv])):
-                x = model.NewBoolVar(f"x{i}_{lv}_{b}")
+                x = model.new_bool_var(f"x{i}_{lv}_{b}")
                 choice[(i, lv, b)] = x
                 options.append(x)
                 members.setdefault((lv, b), []).append((x, int(t.padded[i, lv])))
@@ -87,12 +89,12 @@ def solve_heavy(problem: StepProblem, best: Placement) -> tuple[np.ndarray, np.n
                     cover[u].append((x, cost))
                 total.append((x, cost * k))
         # Each heavy segment runs at exactly one size on exactly one block.
-        model.AddExactlyOne(options)
+        model.add_exactly_one(options)
     for (lv, b), xs in members.items():
         k = int(sizes[lv])
         # Groups opened on the block: enough to hold its heavy segments' padded tokens.
-        g = model.NewIntVar(0, min(len(xs), m), f"g{lv}_{b}")
-        model.Add(k * p.capacity * g >= cp_model.LinearExpr.WeightedSum(
+        g = model.new_int_var(0, min(len(xs), m), f"g{lv}_{b}")
+        model.add(k * p.capacity * g >= cp_model.LinearExpr.weighted_sum(
             [x for x, _ in xs], [pad for _, pad in xs]))
         open_cost = int(round((k - k0) * p.cost[2] / unit))
         for u in range(b * (k // k0), (b + 1) * (k // k0)):
@@ -105,17 +107,17 @@ def solve_heavy(problem: StepProblem, best: Placement) -> tuple[np.ndarray, np.n
         if not cover[u]:
             continue
         # A unit's load: the microbatches' fixed cost plus the heavy groups that cover it.
-        model.Add(base + cp_model.LinearExpr.WeightedSum([x for x, _ in cover[u]],
+        model.add(base + cp_model.LinearExpr.weighted_sum([x for x, _ in cover[u]],
                                                          [c for _, c in cover[u]]) <= z)
         # Each group takes one of the unit's M microbatches.
-        model.Add(cp_model.LinearExpr.Sum(count[u]) <= m)
+        model.add(cp_model.LinearExpr.sum(count[u]) <= m)
     # The rest of the work spreads as a fluid: the average load is a floor under Z.
-    model.Add(p.pool_size * z >= p.pool_size * base + light_units
-              + cp_model.LinearExpr.WeightedSum([x for x, _ in total], [c for _, c in total]))
-    model.Minimize(z)
+    model.add(p.pool_size * z >= p.pool_size * base + light_units
+              + cp_model.LinearExpr.weighted_sum([x for x, _ in total], [c for _, c in total]))
+    model.minimize(z)
     # Warm start: the heuristic's level and block for every heavy segment.
     for (i, lv, b), x in choice.items():
-        model.AddHint(x, int(lv == best.item_level[i]
+        model.add_hint(x, int(lv == best.item_level[i]
                              and b == best.g_block[best.item_group[i]]))
 
     solver = cp_model.CpSolver()
@@ -123,16 +125,16 @@ def solve_heavy(problem: StepProblem, best: Placement) -> tuple[np.ndarray, np.n
     solver.parameters.random_seed = p.seed
     solver.parameters.num_workers = 1
     solver.parameters.log_search_progress = False
-    status = solver.Solve(model)
+    status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     level = np.full(n, -1, dtype=np.int64)
     block = np.full(n, -1, dtype=np.int64)
     for (i, lv, b), x in choice.items():
-        if solver.BooleanValue(x):
+        if solver.boolean_value(x):
             level[i] = lv
             block[i] = b
-    return level, block, solver.Value(z) * unit
+    return level, block, solver.value(z) * unit
 
 
 def refine_heavy(problem: StepProblem, best: Placement) -> Placement | None:

@@ -15,8 +15,8 @@ this module decides which (M, T) to try:
    more targets T (the bound times 1 + delta, balance and pack mode) at the chosen M, step 2 again
    with those targets, then one CP-SAT call on the heaviest segments (cpsat.py) at the chosen M
    with the effort's deterministic-time budget. Every candidate is scored by the kernel's exact
-   makespan and the best is kept, so refinement never makes a step worse. Extra microbatches loosen capacity for
-   balance but cost fixed time and leave slots empty.
+   makespan and the best is kept, so refinement never makes a step worse.
+Extra microbatches loosen capacity for balance but cost fixed time and leave slots empty.
 
 Trade-off: ``fast`` is one or two kernel passes per step (O(segments x blocks)); refinement is a
 handful more passes, spent only on the few steps whose gap to the bound is large.
@@ -297,5 +297,6 @@ def assign_step(sample_index: NDArray[np.int64], token_offset: NDArray[np.int64]
         params.sizes, params.pool_size, best.num_mb, int(params.multiples[0]))
     bound = problem.bound(min_microbatches(t, params))
     return StepAssignment(num_microbatches=best.num_mb, predicted_seconds=best.seconds,
-                          bound_seconds=bound, microbatch=mb, rank_start=start, cp_size=k, sample_index=sample,
-                          token_offset=offset, num_tokens=ntok, padded_tokens=padded)
+                          bound_seconds=bound, microbatch=mb, rank_start=start, cp_size=k,
+                          sample_index=sample, token_offset=offset, num_tokens=ntok,
+                          padded_tokens=padded)

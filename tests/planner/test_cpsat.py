@@ -29,7 +29,8 @@ def heavy_mix(seed: int, n: int, pool_tokens: int) -> NDArray[np.int64]:
     rng = np.random.default_rng(seed)
     short = rng.lognormal(6.5, 1.0, n).clip(32, 4096)
     heavy = rng.uniform(0.2, 0.9, rng.integers(1, 5)) * pool_tokens
-    return np.r_[heavy, short].astype(np.int64)
+    out: NDArray[np.int64] = np.concatenate([heavy, short]).astype(np.int64)
+    return out
 
 
 @given(seed=st.integers(0, 2**32 - 1), dp=st.sampled_from([4, 6]))
@@ -54,7 +55,8 @@ def test_cpsat_is_reproducible_and_its_placement_is_kept() -> None:
     heuristic = solve_step(dataclasses.replace(problem, params=dataclasses.replace(
         p, cpsat_seconds=0.0)))
     answers = [solve_heavy(problem, heuristic) for _ in range(2)]
-    assert answers[0] is not None and answers[1] is not None
+    assert answers[0] is not None
+    assert answers[1] is not None
     level, block, target = answers[0]
     assert np.array_equal(level, answers[1][0])
     assert np.array_equal(block, answers[1][1])
