@@ -15,13 +15,16 @@ Segments come heaviest first (items.py order). For a segment, level by level fro
 fitting size up, the best option of a level is the block whose ranks end lowest if it takes the
 segment, joining a group with room there (best fit) or opening a group (count < M).
 - ``balance`` mode: take the first level whose best option ends within the limit (the least
-  work that meets it); when no level does, the option that ends lowest over all levels. The
-  limit is the target T, or the highest rank load so far if that is higher (ending below the
-  current critical path costs nothing). T = +inf
-  gives plain LPT at the cheapest sizes; T = the bound promotes exactly the segments whose cheap
-  size would stick out above it, counting what larger groups already hold on the same ranks.
-- ``pack`` mode: as balance, but within the chosen level prefer, among blocks that end within T,
-  the one with the tightest room that fits (best fit in tokens), so that a tight M packs.
+  work that meets it). The limit is the target T, or the highest rank load so far if that is
+  higher (ending below the current critical path costs nothing). T = +inf gives plain LPT at the
+  cheapest sizes; T = the bound promotes exactly the segments whose cheap size would stick out
+  above it, counting what larger groups already hold on the same ranks (a 156K-token sequence
+  on 2 ranks that already run a 230K one on all 8 sticks out; on all 8 it does not). When no
+  level meets the limit, take the option with the lowest max(its end, the average rank load it
+  leads to, with the segments to come at their cheapest sizes): the end alone would favour the
+  widest group, which ends low by pushing every rank up with ring work.
+- ``pack`` mode: as balance, but within the chosen level prefer, among blocks that end within
+  the limit, the one with the tightest room that fits (best fit in tokens): a tight M packs.
 - ``forced`` items (level, block >= 0) go where they are told (cpsat.py's answer).
 A segment that fits nowhere makes the pass fail (returns -1): the caller tries a larger M.
 
