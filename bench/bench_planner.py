@@ -7,7 +7,8 @@ the first run) is not counted.
 
 Usage:
     .venv/bin/python bench/bench_planner.py [--lengths FILE] [--dp 8] [--cp 2] [--capacity 16384]
-        [--global-batch 1024] [--long-sequences split] [--effort balanced] [--out plan.arrow]
+        [--global-batch 1024] [--long-sequences split] [--effort balanced] [--workers 1]
+        [--out plan.arrow]
 """
 
 from __future__ import annotations
@@ -47,13 +48,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--global-batch", type=int, default=1024, help="samples per step")
     ap.add_argument("--long-sequences", default="split", help="error, split, truncate, drop")
     ap.add_argument("--effort", default="balanced", help="fast, balanced, max")
+    ap.add_argument("--workers", type=int, default=1, help="planner worker processes")
     ap.add_argument("--out", type=Path, default=None, help="plan path (default: a temp dir)")
     args = ap.parse_args(argv)
 
     config = PlannerConfig(
         parallel=ParallelConfig(dp=args.dp, cp=args.cp), capacity_tokens_per_rank=args.capacity,
         global_batch_size=args.global_batch, long_sequences=args.long_sequences,
-        effort=args.effort)
+        effort=args.effort, workers=args.workers)
     cost = load_cost_model()
 
     # Warm-up: compile (or load from numba's cache) every kernel before timing.
@@ -94,7 +96,8 @@ def main(argv: list[str] | None = None) -> None:
     s = plan.header.stats
     print(f"lengths: {args.lengths} ({n:,} samples, {int(table.lengths.sum()):,} tokens)")
     print(f"config: dp={args.dp} cp={args.cp} C={args.capacity} global_batch={args.global_batch}"
-          f" long_sequences={args.long_sequences} effort={args.effort}; plan {size_mb:.1f} MiB")
+          f" long_sequences={args.long_sequences} effort={args.effort} workers={args.workers};"
+          f" plan {size_mb:.1f} MiB")
     print(f"{'phase':<10} {'wall s':>8} {'sequences/s':>14} {'cpu s':>8} {'seq/cpu-s':>14}")
     for name, (wall, cpu) in timings.items():
         print(f"{name:<10} {wall:8.3f} {n / wall:14,.0f} {cpu:8.3f} {n / max(cpu, 1e-9):14,.0f}")
@@ -102,7 +105,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"steps {s['num_steps']}, microbatches/step min {mb['min']} mean {mb['mean']:.2f} "
           f"max {mb['max']}")
     print(f"simulated {s['simulated_seconds']:.1f} s, lower bound {s['lower_bound_seconds']:.1f} s,"
-          f" ratio {s['simulated_seconds'] / s['lower_bound_seconds']:.4f}")
+          f" ratio {s['simulated_seconds'] / s['lower_bound_seconds']:.4f}; malleable bound "
+          f"{s['malleable_lower_bound_seconds']:.1f} s, ratio "
+          f"{s['simulated_seconds'] / s['malleable_lower_bound_seconds']:.4f}")
     print(f"slot fill {s['slot_fill']:.4f}, padding overhead {s['padding_overhead']:.6f}, "
           f"alignment padding {s['alignment_padding_tokens']:,} tokens, "
           f"filler rows {s['filler_rows']:,}")

@@ -107,7 +107,18 @@ class PackingParams:
                 "targets": [d if np.isfinite(d) else "inf" for d in self.deltas],
                 "cpsat": {"max_deterministic_time": self.cpsat_seconds,
                           "heavy_items": self.cpsat_items, "random_seed": self.seed,
-                          "num_workers": 1} if self.cpsat_seconds > 0 else None}
+                          "num_workers": 1, "ortools": _ortools_version()}
+                if self.cpsat_seconds > 0 else None}
+
+
+def _ortools_version() -> str:
+    """The installed OR-Tools version (CP-SAT answers may differ between versions)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ortools")
+    except PackageNotFoundError:
+        return "missing"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
