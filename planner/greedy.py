@@ -7,10 +7,10 @@ this module decides which (M, T) to try:
 1. M starts at the fewest microbatches the tokens need, ceil(padded / (N C)), rounded up to the
    microbatch multiple, and grows until the kernel places every segment (balance mode, then pack
    mode, at T = the step's malleable bound, bounds.py).
-2. Then M + multiple, M + 2 multiples, ... (fast: up to 2, stopping at the first that does not
-   win; balanced: up to 4, stopping after 2 in a row; max: up to 8, after 3): a larger M wins
-   only when it is at least ``microbatch_tolerance`` faster than the best so far, and is not
-   tried when its own lower bound already rules that out.
+2. Then M + multiple x (1, 2, ...) (fast: +1, +2; balanced: up to +8; max: up to +32), skipping
+   any whose own lower bound rules out a win, and a bisection below the winner. The step keeps
+   the fewest microbatches whose time is within ``microbatch_tolerance`` of the fastest tried:
+   a larger M must be faster by at least the tolerance to be chosen.
 3. ``balanced`` and ``max``, only when the time is still more than ``refine_gap`` over the bound:
    more targets T (the bound times 1 + delta, balance and pack mode) at the chosen M, step 2 again
    with those targets, then one CP-SAT call on the heaviest segments (cpsat.py) at the chosen M
@@ -47,11 +47,14 @@ SOLVER_VERSION = 2
 _DELTAS = {"balanced": (0.01, 0.03, 0.06, 0.1, 0.16, 0.25),
            "max": (0.005, 0.01, 0.02, 0.03, 0.045, 0.06, 0.08, 0.1, 0.13, 0.16, 0.2, 0.25, 0.35,
                    0.5, np.inf)}
-_EXTRA_MICROBATCHES = {"fast": 2, "balanced": 4, "max": 8}
-# Stop adding microbatches after this many in a row that did not win.
-_MISSES = {"fast": 1, "balanced": 2, "max": 3}
+# Larger microbatch counts tried: M + multiple x 2^j for j below this.
+_EXTRA_MICROBATCHES = {"fast": 2, "balanced": 4, "max": 6}
 _CPSAT_SECONDS = {"fast": 0.0, "balanced": 0.05, "max": 0.5}
 _CPSAT_ITEMS = {"fast": 0, "balanced": 8, "max": 16}
+# Optional kernel passes per step stop once segments x blocks summed over passes exceed this
+# (about 0.1 s (balanced) and 0.4 s (max) of kernel time on this 2-core machine): a
+# deterministic cap for huge steps (N = 64 and 20,000 segments reach it).
+_PASS_BUDGET = {"fast": 0, "balanced": 1.5e8, "max": 6e8}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -103,7 +106,6 @@ class PackingParams:
                 "microbatch_tolerance": self.microbatch_tolerance,
                 "refine_gap": self.refine_gap,
                 "extra_microbatches": _EXTRA_MICROBATCHES[self.effort],
-                "extra_microbatch_misses": _MISSES[self.effort],
                 "targets": [d if np.isfinite(d) else "inf" for d in self.deltas],
                 "cpsat": {"max_deterministic_time": self.cpsat_seconds,
                           "heavy_items": self.cpsat_items, "random_seed": self.seed,
@@ -170,6 +172,12 @@ class StepProblem:
     params: PackingParams
     core_bound: float
     """bounds.malleable_bound: the step's bound without microbatch fixed costs."""
+    spent: list[float]
+    """Segments x blocks of the kernel passes run so far (one mutable cell)."""
+
+    def exhausted(self) -> bool:
+        """Whether optional passes (refinement, extra microbatches) are out of budget."""
+        return self.spent[0] > _PASS_BUDGET[self.params.effort]
 
     @property
     def fixed_per_microbatch(self) -> float:
@@ -194,6 +202,7 @@ class StepProblem:
         item_group = np.empty(n, np.int64)
         g_level = np.empty(n, np.int64)
         g_block = np.empty(n, np.int64)
+        self.spent[0] += n * (2 * p.pool_size // int(p.sizes[0]))
         num_groups, seconds = place(t.padded, t.fits, t.time, t.min_level, t.order, p.sizes,
                                     p.capacity, p.pool_size, p.cost, num_mb, target, mode,
                                     forced[0], forced[1], item_level, item_group, g_level,
@@ -232,7 +241,7 @@ def refine(problem: StepProblem, best: Placement) -> Placement:
         return best
     for delta in (0.0, *p.deltas):
         target = bound * (1.0 + delta)
-        if target >= best.seconds and np.isfinite(delta):
+        if (target >= best.seconds and np.isfinite(delta)) or problem.exhausted():
             break
         # Pack mode wins where capacity binds (tight M), balance mode elsewhere: try both.
         for mode in (BALANCE, PACK):
@@ -243,26 +252,49 @@ def refine(problem: StepProblem, best: Placement) -> Placement:
 
 
 def _more_microbatches(problem: StepProblem, best: Placement, do_refine: bool) -> Placement:
-    """Try M + multiple, ... while each can still beat the best by the tolerance."""
+    """The fewest microbatches whose time is within the tolerance of the fastest tried.
+
+    Tries M + multiple x (1, 2, 4, ...) (``_EXTRA_MICROBATCHES`` of them; geometric, so a step of
+    60 microbatches can reach 90 in a few passes), skipping those whose own bound rules out
+    beating the fastest by the tolerance, then bisects the gap below the winner.
+    """
     p = problem.params
-    m = best.num_mb
-    misses = 0
-    for _ in range(_EXTRA_MICROBATCHES[p.effort]):
-        m += p.microbatch_multiple
-        # A larger M is only worth it if its own bound leaves room to win by the tolerance.
-        if best.seconds * (1.0 - p.microbatch_tolerance) <= problem.bound(m):
-            break
+    tol = p.microbatch_tolerance
+    mult = p.microbatch_multiple
+    tried = {best.num_mb: best}
+
+    def attempt(m: int) -> None:
         cand = problem.first_fit(m)
         if cand is not None and do_refine:
             cand = refine(problem, cand)
-        if cand is not None and cand.seconds <= best.seconds * (1.0 - p.microbatch_tolerance):
-            best = cand
-            misses = 0
-        else:
-            misses += 1
-            if misses >= _MISSES[p.effort]:
-                break
-    return best
+        if cand is not None:
+            tried[m] = cand
+
+    def fastest() -> float:
+        return min(c.seconds for c in tried.values())
+
+    for j in range(_EXTRA_MICROBATCHES[p.effort]):
+        m = best.num_mb + mult * (1 << j)
+        # A larger M only wins if its own bound leaves room to beat the fastest by the tolerance.
+        if fastest() * (1.0 - tol) <= problem.bound(m) or (do_refine and problem.exhausted()):
+            break
+        attempt(m)
+
+    def choice() -> int:
+        return min(m for m, c in tried.items() if c.seconds * (1.0 - tol) <= fastest())
+
+    # Bisect between the chosen M and the largest tried M below it (which lost).
+    while True:
+        hi = choice()
+        below = [m for m in tried if m < hi]
+        lo = max(below) if below else hi
+        mid = lo + (hi - lo) // (2 * mult) * mult
+        if mid <= lo or mid in tried or (do_refine and problem.exhausted()):
+            break
+        attempt(mid)
+        if mid not in tried:
+            break
+    return tried[choice()]
 
 
 def solve_step(problem: StepProblem) -> Placement:
@@ -294,7 +326,7 @@ def make_problem(tokens: NDArray[np.int64], params: PackingParams) -> StepProble
     """Tables and bound of one step's segments."""
     t = item_tables(tokens, params.sizes, params.multiples, params.capacity, params.cost)
     core = malleable_bound(t.lone, t.work, t.fits, params.pool_size) if len(tokens) else 0.0
-    return StepProblem(tables=t, params=params, core_bound=float(core))
+    return StepProblem(tables=t, params=params, core_bound=float(core), spent=[0.0])
 
 
 def assign_step(sample_index: NDArray[np.int64], token_offset: NDArray[np.int64],

@@ -40,8 +40,7 @@ def test_cpsat_never_makes_a_step_worse(seed: int, dp: int) -> None:
     tokens = heavy_mix(seed, 120, 2 * dp * capacity)
     # refine_gap 0 refines every step, so CP-SAT runs on each example.
     with_cp = make_problem(tokens, params(dp, capacity, 0.05, refine_gap=0.0))
-    without = dataclasses.replace(with_cp, params=dataclasses.replace(with_cp.params,
-                                                                      cpsat_seconds=0.0))
+    without = make_problem(tokens, dataclasses.replace(with_cp.params, cpsat_seconds=0.0))
     a, b = solve_step(with_cp), solve_step(without)
     assert a.seconds <= b.seconds * (1 + 1e-12)
     assert a.num_mb == b.num_mb
@@ -52,8 +51,7 @@ def test_cpsat_is_reproducible_and_its_placement_is_kept() -> None:
     tokens = heavy_mix(5, 150, 8 * capacity)
     p = params(4, capacity, 0.2, refine_gap=0.0)
     problem = make_problem(tokens, p)
-    heuristic = solve_step(dataclasses.replace(problem, params=dataclasses.replace(
-        p, cpsat_seconds=0.0)))
+    heuristic = solve_step(make_problem(tokens, dataclasses.replace(p, cpsat_seconds=0.0)))
     answers = [solve_heavy(problem, heuristic) for _ in range(2)]
     assert answers[0] is not None
     assert answers[1] is not None
