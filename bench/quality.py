@@ -21,7 +21,8 @@ after Megatron's 2N padding (the table shows the C used). The user's static cp i
 (default 4), so dp = N / cp.
 
 Run: ``.venv/bin/python bench/quality.py [--workloads wikipedia,lognormal] [--pools 8,12]
-[--cost-models dense-7b-h200] [--steps 32] [--capacity 8192] [--global-batch 4x]``.
+[--cost-models dense-7b-h200] [--steps 32] [--capacity 8192] [--global-batch 4x]
+[--effort balanced] [--microbatch-tolerance 0.01]``.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from bench.baselines import (
     static_cp_plan,
 )
 from bench.workloads import NAMES, SPECS, make_workload
-from planner.config import ParallelConfig, PlannerConfig
+from planner.config import ParallelConfig, PlannerConfig, SolverConfig
 from planner.cost import CostModel, load_cost_model, simulate_step, step_lower_bound
 from planner.greedy import PackingParams, make_problem
 from planner.groups import ZIGZAG, pad_multiple, valid_cp_sizes
@@ -187,7 +188,8 @@ def evaluate(workload: str, pool: int, cost_names: list[str], args: argparse.Nam
         cost = load_cost_model(cost_name)
         cfg = PlannerConfig(parallel=config.parallel, capacity_tokens_per_rank=capacity,
                             global_batch_size=size, global_batch_tokens=tokens, seed=args.seed,
-                            effort=args.effort, cost_model=cost_name)
+                            effort=args.effort, cost_model=cost_name,
+                            solver=SolverConfig(microbatch_tolerance=args.microbatch_tolerance))
         t0 = time.perf_counter()
         ours = make_plan(table, cfg, cost)
         dt = time.perf_counter() - t0
@@ -252,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cp", type=int, default=4, help="the user's static CP size")
     ap.add_argument("--seed", type=int, default=0, help="workload and permutation seed")
     ap.add_argument("--effort", default="balanced", help="our planner's effort")
+    ap.add_argument("--microbatch-tolerance", type=float,
+                    default=SolverConfig().microbatch_tolerance,
+                    help="our planner: a larger microbatch count must be this much faster")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     _warm_up()
