@@ -36,7 +36,7 @@ from ortools.sat.python import cp_model
 from planner.place import BALANCE, PACK, block_layout
 
 if TYPE_CHECKING:
-    from planner.greedy import Placement, StepProblem
+    from planner.step import Placement, StepProblem
 
 RESOLUTION = 20000
 
