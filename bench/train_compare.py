@@ -48,8 +48,7 @@ DEFAULT_DIR = ROOT / "out" / "train_compare"
 PLANS = ("dynamic", "static")
 ATTENTIONS = ("te", "torch")
 MODEL_FLAGS = ["--layers", "8", "--hidden-size", "2048", "--heads", "16", "--query-groups", "4",
-               "--ffn-hidden-size", "8192", "--vocab-size", "32000", "--dtype", "bf16",
-               "--lr", "3e-4"]
+               "--ffn-hidden-size", "8192", "--vocab-size", "32000", "--dtype", "bf16"]
 # --smoke: the same orchestration on CPU (gloo) with a tiny model, to check the script itself.
 SMOKE_FLAGS = ["--layers", "1", "--hidden-size", "32", "--vocab-size", "32000"]
 
@@ -118,12 +117,12 @@ def _te_importable() -> bool:
 
 
 def _one_run(plan: Path, data: Path, attention: str, log: Path, stdout: Path,
-             steps: int, timeout: float, smoke: bool) -> tuple[int, float]:
+             steps: int, timeout: float, smoke: bool, lr: float) -> tuple[int, float]:
     device, model = ("cpu", SMOKE_FLAGS) if smoke else ("cuda", MODEL_FLAGS)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "runtime.train", "--plan", str(plan), "--dataset", str(data), "--device", device,
            "--attention", attention, "--steps", str(steps), "--log-jsonl", str(log), "--quiet",
-           *model]
+           "--lr", str(lr), *model]
     t0 = time.perf_counter()
     with open(stdout, "w") as f:
         f.write(" ".join(cmd) + "\n")
@@ -162,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
             log = out / f"{name}.jsonl"
             log.unlink(missing_ok=True)
             rc, wall = _one_run(src / f"{plan}.arrow", data, attention, log, out / f"{name}.txt",
-                                args.steps, args.timeout, args.smoke)
+                                args.steps, args.timeout, args.smoke, args.lr)
             logs[(plan, attention)] = _read_log(log)
             status[(plan, attention)] = "ok" if rc == 0 else f"rc={rc}"
             print(f"{name}: rc={rc} wall={wall:.1f}s steps={len(logs[(plan, attention)])}",
@@ -234,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument("--warmup", type=int, default=2, help="steps left out of the timings")
     pr.add_argument("--attention", default=",".join(ATTENTIONS), help="te,torch")
     pr.add_argument("--timeout", type=float, default=240.0, help="seconds per run")
+    pr.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate")
     pr.add_argument("--smoke", action="store_true",
                     help="CPU, gloo, tiny model, reference attention: checks the script only")
     args = p.parse_args(argv)

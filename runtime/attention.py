@@ -134,7 +134,7 @@ def _attend(
     out = q.new_zeros(q.shape[0], num_heads, dv, dtype=torch.float32)
     if pieces:
         index = torch.from_numpy(rows).to(q.device)
-        out = out.index_copy(0, index, torch.cat(pieces))
+        out = out.index_copy(0, index, torch.cat(pieces).to(out.dtype))  # autocast may give bf16
     # Keep q, K and V in the graph even when this rank has no real query: the gather's backward
     # collective runs on every rank of the group.
     out = out + (kv[:0].sum() + q[:0].sum())

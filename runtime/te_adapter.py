@@ -19,6 +19,7 @@ than ImportError, so ``te_available`` catches Exception and checks CUDA first (E
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -42,15 +43,25 @@ def te_available() -> bool:
     """True only with CUDA and an importable ``transformer_engine.pytorch``."""
     if not torch.cuda.is_available():
         return False
+    global te_import_error
     try:
         _te()
-    except Exception:  # TE raises RuntimeError/OSError, not ImportError, when CUDA libs are missing
+    except Exception as e:  # TE raises RuntimeError/OSError, not ImportError, without CUDA libs
+        te_import_error = f"{type(e).__name__}: {e}"
         return False
     return True
 
 
+te_import_error = ""
+"""Why the last ``te_available()`` said no (for skip reasons and logs)."""
+
+
 def _te() -> Any:
-    import transformer_engine.pytorch as te_pytorch  # type: ignore[import-not-found,unused-ignore]
+    # TE warns at import (deprecations in its dependencies); under warnings-as-errors (our pytest
+    # configuration) that would make the import fail, so silence warnings for the import only.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import transformer_engine.pytorch as te_pytorch  # type: ignore[import-not-found,unused-ignore]
 
     return te_pytorch
 

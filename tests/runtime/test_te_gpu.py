@@ -29,9 +29,15 @@ def _te_ready() -> bool:
     return te_available()
 
 
+def _why_not() -> str:
+    from runtime import te_adapter
+
+    return f"needs CUDA and Transformer Engine ({te_adapter.te_import_error or 'no CUDA'})"
+
+
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not _te_ready(), reason="needs CUDA and Transformer Engine"),
+    pytest.mark.skipif(not _te_ready(), reason=_why_not()),
 ]
 
 BF16_TOL = 3e-2
