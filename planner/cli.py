@@ -16,7 +16,13 @@ import sys
 import time
 from pathlib import Path
 
-from planner.config import EFFORTS, LONG_SEQUENCE_POLICIES, ParallelConfig, PlannerConfig
+from planner.config import (
+    EFFORTS,
+    LONG_SEQUENCE_POLICIES,
+    ParallelConfig,
+    PlannerConfig,
+    SolverConfig,
+)
 from planner.groups import LAYOUTS
 from planner.schema import PlanHeader
 
@@ -71,6 +77,9 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--cost-model", default="default",
                    help="cost-model preset name or JSON file (see planner/presets)")
     p.add_argument("--effort", choices=EFFORTS, default="balanced", help="solver effort")
+    p.add_argument("--microbatch-tolerance", type=float, default=0.01, metavar="F",
+                   help="take more microbatches than the fewest that fit only when that is "
+                   "faster by more than F (relative); larger F gives fuller slots")
     p.add_argument("--workers", type=int, default=1,
                    help="processes that plan steps in parallel (the plan is the same for any N)")
     p.add_argument("--quiet", action="store_true", help="no summary and no progress bar")
@@ -120,7 +129,8 @@ def cmd_plan(argv: list[str]) -> int:
         global_batch_size=args.global_batch_size, global_batch_tokens=args.global_batch_tokens,
         seed=args.seed, epochs=args.epochs, layout=args.layout, cp_sizes=args.cp_sizes,
         min_cp=args.min_cp, long_sequences=args.long_sequences, drop_last=args.drop_last,
-        effort=args.effort, cost_model=args.cost_model, workers=args.workers)
+        effort=args.effort, cost_model=args.cost_model, workers=args.workers,
+        solver=SolverConfig(microbatch_tolerance=args.microbatch_tolerance))
     cost = load_cost_model(args.cost_model)
     out = Path(args.output) if args.output else Path("plans") / f"{Path(args.dataset).stem}.arrow"
 

@@ -45,6 +45,17 @@ def test_same_inputs_give_byte_identical_plans(tmp_path: Path) -> None:
     assert _sha(a) != _sha(c)
 
 
+def test_microbatch_tolerance_trades_time_for_fewer_microbatches(tmp_path: Path) -> None:
+    runs = {}
+    for tol in ("0", "0.5"):
+        out = tmp_path / f"t{tol}.arrow"
+        assert main([str(SAMPLE), "-o", str(out), "--quiet", *BASE,
+                     "--microbatch-tolerance", tol]) == 0
+        runs[tol] = read_plan(out).header.stats
+    assert (runs["0.5"]["num_microbatches"] <= runs["0"]["num_microbatches"])
+    assert runs["0.5"]["simulated_seconds"] >= runs["0"]["simulated_seconds"] * (1 - 1e-9)
+
+
 def test_default_output_under_plans(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data = tmp_path / "mydata.jsonl"
     data.write_text("".join(json.dumps({"length": n}) + "\n" for n in range(1, 50)))
@@ -84,6 +95,7 @@ def test_long_sequence_error_names_the_sample(tmp_path: Path,
         (["--cp-sizes", "1,3"], "cp size 3 is not valid for a pool of 4"),
         (["--min-cp", "8"], "min_cp=8 leaves no group size"),
         (["--vpp", "2"], "vpp=2 needs pp >= 2"),
+        (["--microbatch-tolerance", "1.5"], "microbatch_tolerance must be in [0, 1)"),
     ],
 )
 def test_bad_flags_are_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str],
