@@ -100,10 +100,10 @@ def prepare(args: argparse.Namespace) -> int:
         rc = dcp_plan(argv)
         if rc:
             return rc
-    manifest = {"workload": args.workload, "lengths": {"n": int(lengths.size), "tokens": int(lengths.sum()),
-                            "median": int(np.median(lengths)), "max": int(lengths.max())},
-                "capacity": cap, "plans": {k: "dcp-plan " + " ".join(v)
-                                           for k, v in commands.items()}}
+    stats = {"n": int(lengths.size), "tokens": int(lengths.sum()),
+             "median": int(np.median(lengths)), "max": int(lengths.max())}
+    manifest = {"workload": args.workload, "lengths": stats, "capacity": cap,
+                "plans": {k: "dcp-plan " + " ".join(v) for k, v in commands.items()}}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     print(json.dumps(manifest, indent=1))
     return 0

@@ -31,7 +31,8 @@ def _int_list(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of ints, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of ints, got {text!r}") from None
 
 
 def _plan_parser() -> argparse.ArgumentParser:
@@ -109,7 +110,7 @@ class _Progress:
 
 
 def _fmt_rate(n: int, seconds: float) -> str:
-    return f"{n / seconds:,.0f}/s" if seconds > 0 else "inf"
+    return f"{n / seconds:,.0f} sequences/s" if seconds > 0 else "inf sequences/s"
 
 
 def cmd_plan(argv: list[str]) -> int:
@@ -156,24 +157,24 @@ def format_summary(header: PlanHeader, out: Path, num_samples: int,
     s = header.stats
     p = header.parallel
     total = sum(phases.values())
+    ratio = s["simulated_seconds"] / max(s["lower_bound_seconds"], 1e-12)
     lines = [
         f"plan      {out}",
         f"dataset   {header.dataset.path}: {header.dataset.num_samples:,} samples, "
         f"{header.dataset.num_tokens:,} tokens ({header.dataset.format})",
-        f"pool      dp {p.dp} x cp {p.cp} = {p.pool_size} ranks (tp {p.tp}, pp {p.pp}, vpp {p.vpp}),"
-        f" cap {header.capacity_tokens_per_rank:,} tokens/rank, sizes {list(header.cp_sizes)},"
-        f" {header.layout}",
+        f"pool      dp {p.dp} x cp {p.cp} = {p.pool_size} ranks (tp {p.tp}, pp {p.pp}, "
+        f"vpp {p.vpp}), cap {header.capacity_tokens_per_rank:,} tokens/rank, "
+        f"sizes {list(header.cp_sizes)}, {header.layout}",
         f"steps     {s['num_steps']:,} ({len(header.epochs)} epoch(s)), microbatches per step "
         f"{s['microbatches_per_step']['min']}-{s['microbatches_per_step']['max']} "
         f"(mean {s['microbatches_per_step']['mean']:.2f})",
-        f"groups    " + ", ".join(f"cp{k}: {v:,}" for k, v in sorted(
+        "groups    " + ", ".join(f"cp{k}: {v:,}" for k, v in sorted(
             s["cp_size_groups"].items(), key=lambda kv: int(kv[0]))),
         f"padding   {100 * s['padding_overhead']:.3f}% of real tokens "
         f"(alignment {100 * s['alignment_padding']:.3f}%)",
         f"slot fill {s['slot_fill']:.3f} (real tokens / (N x CAP x microbatches))",
         f"time      {s['simulated_seconds']:.2f} s simulated vs lower bound "
-        f"{s['lower_bound_seconds']:.2f} s ({s['simulated_seconds'] / max(s['lower_bound_seconds'], 1e-12):.3f}x) "
-        f"[{header.cost_model.get('name')}]",
+        f"{s['lower_bound_seconds']:.2f} s ({ratio:.3f}x) [{header.cost_model.get('name')}]",
     ]
     policy = [f"{len(s.get(key, []))} {key.split('_')[0]}" for key in
               ("split_samples", "truncated_samples", "dropped_samples") if s.get(key)]
@@ -181,8 +182,9 @@ def format_summary(header: PlanHeader, out: Path, num_samples: int,
         policy.append(f"{s['skipped_bad_records']} bad records skipped")
     if policy:
         lines.append("long/bad  " + ", ".join(policy))
-    lines.append(f"speed     {_fmt_rate(num_samples * len(header.epochs), total)} sequences "
-                 f"in {total:.2f} s (" + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()) + ")")
+    detail = ", ".join(f"{k} {v:.2f} s" for k, v in phases.items())
+    lines.append(f"speed     {_fmt_rate(num_samples * len(header.epochs), total)} in "
+                 f"{total:.2f} s ({detail})")
     return "\n".join(lines)
 
 

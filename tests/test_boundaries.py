@@ -12,8 +12,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _loaded(code: str) -> set[str]:
-    out = subprocess.run([sys.executable, "-c", code + "\nimport sys\nprint(' '.join(sys.modules))"],
-                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    script = code + "\nimport sys\nprint(' '.join(sys.modules))"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, cwd=ROOT).stdout
     return set(out.split())
 
 
