@@ -32,7 +32,8 @@ def test_plan_summary_validate_show(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "valid (20 steps" in capsys.readouterr().out
     assert main(["show", str(out), "--steps", "0:3"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0].split()[:3] == ["step", "microbatches", "groups"] and len(lines) == 5
+    assert lines[0].split()[:3] == ["step", "microbatches", "groups"]
+    assert len(lines) == 5
 
 
 def test_same_inputs_give_byte_identical_plans(tmp_path: Path) -> None:
@@ -71,8 +72,10 @@ def test_bad_record_names_file_and_line_and_leaves_nothing(
     out = tmp_path / "bad.arrow"
     assert main([str(data), "-o", str(out), "--quiet", *BASE]) == 2
     err = capsys.readouterr().err
-    assert "bad.jsonl:2" in err and "non-integer" in err
-    assert not out.exists() and list(tmp_path.iterdir()) == [data]
+    assert "bad.jsonl:2" in err
+    assert "non-integer" in err
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == [data]
     assert main([str(data), "-o", str(out), "--skip-bad-records", *BASE]) == 0
     assert "1 bad records skipped" in capsys.readouterr().out
     plan = read_plan(out)
@@ -86,7 +89,8 @@ def test_long_sequence_error_names_the_sample(tmp_path: Path,
     data.write_text('{"length": 10}\n{"length": 40000}\n')
     assert main([str(data), "-o", str(tmp_path / "x.arrow"), *BASE[:-2]]) == 2
     err = capsys.readouterr().err
-    assert "sample 1" in err and "40000" in err
+    assert "sample 1" in err
+    assert "40000" in err
 
 
 @pytest.mark.parametrize(
@@ -119,4 +123,5 @@ def test_notebook_view_conversions_and_plots(tmp_path: Path) -> None:
     assert list(summary["step"]) == list(range(plan.num_steps))
     assert np.all(summary["simulated_s"] >= summary["lower_bound_s"] * (1 - 1e-9))
     assert plan.step(2).column("step").to_pylist() == [2] * plan.step(2).num_rows
-    assert plan.plot_step_load(0) is not None and plan.plot_cp_mix() is not None
+    assert plan.plot_step_load(0) is not None
+    assert plan.plot_cp_mix() is not None

@@ -56,7 +56,8 @@ def test_padding_rules() -> None:
         pad_multiple(2, 1, "ring")
 
 
-@given(st.integers(1, 200_000), st.sampled_from([1, 2, 4]), st.sampled_from(["zigzag", "contiguous"]))
+@given(st.integers(1, 200_000), st.sampled_from([1, 2, 4]),
+       st.sampled_from(["zigzag", "contiguous"]))
 def test_min_cp_size_is_minimal_and_fits(length: int, tp: int, layout: str) -> None:
     sizes = valid_cp_sizes(16)
     cap = 4096

@@ -92,7 +92,8 @@ def test_round_trip_and_o1_step_access(tmp_path) -> None:  # noqa: ANN001
         validate(f.header, f, handmade.LENGTHS)
     # plain pyarrow reads it too (the notebook contract)
     t = ipc.open_file(pa.memory_map(str(path))).read_all()
-    assert t.num_rows == 8 and t.schema.field("sample_index").type == pa.int64()
+    assert t.num_rows == 8
+    assert t.schema.field("sample_index").type == pa.int64()
 
 
 def test_write_is_deterministic_and_atomic(tmp_path) -> None:  # noqa: ANN001
