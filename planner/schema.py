@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 from numpy.typing import NDArray
 
-from planner.groups import pad_multiple, valid_cp_sizes
+from planner.groups import LAYOUTS, pad_multiple, valid_cp_sizes
 
 FORMAT_VERSION = 1
 HEADER_KEY = b"dcp.plan"
@@ -110,6 +110,8 @@ class PlanHeader:
             d = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"{source}: header is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{source}: header is not a JSON object")
         version = d.get("format_version")
         if version != FORMAT_VERSION:
             raise ValueError(
@@ -132,7 +134,7 @@ class PlanHeader:
                 format_version=int(version),
                 creator=dict(d.get("creator", {})),
             )
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{source}: header is missing or has a malformed field: {e}") from None
 
 
@@ -217,6 +219,7 @@ def _check_step(
     num_mb = int(mb.max()) + 1
     if int(mb.min()) != 0 or len(np.unique(mb)) != num_mb:
         err.add(f"{where}: microbatches are not numbered 0..{num_mb - 1} without gaps")
+        return
     bad = ~np.isin(k, sizes)
     if bad.any():
         err.add(f"{where}: cp_size {int(k[bad][0])} is not in cp_sizes {list(header.cp_sizes)}")
@@ -325,7 +328,48 @@ def _check_coverage(
         bad = placed & (ends != want)
         if bad.any():
             j = int(np.argmax(bad))
-            err.add(f"epoch {epoch}: sample {j} placed tokens [0, {int(ends[j])}) of {int(want[j])}")
+            err.add(f"epoch {epoch}: sample {j} placed tokens [0, {int(ends[j])}) "
+                    f"of {int(want[j])}")
+
+
+def _check_header(header: PlanHeader, err: _Errors) -> None:
+    """The header fields the row checks rely on (a bad one would crash them or skip steps)."""
+    p = header.parallel
+    for name in ("dp", "cp", "tp", "pp", "vpp", "pool_size", "microbatch_group_size"):
+        if not isinstance(getattr(p, name), int) or getattr(p, name) < 1:
+            err.add(f"header: {name} {getattr(p, name)!r} is not a positive integer")
+            return
+    if p.pool_size != p.dp * p.cp:
+        err.add(f"header: pool_size {p.pool_size} != dp x cp = {p.dp * p.cp}")
+    bad_sizes = set(header.cp_sizes) - set(valid_cp_sizes(p.pool_size))
+    if bad_sizes or not header.cp_sizes:
+        err.add(f"header: cp_sizes {sorted(bad_sizes)} are not valid for a pool of {p.pool_size}")
+    if header.layout not in LAYOUTS:
+        err.add(f"header: layout {header.layout!r} is not one of {', '.join(LAYOUTS)}")
+    if header.capacity_tokens_per_rank < 1:
+        err.add(f"header: capacity_tokens_per_rank {header.capacity_tokens_per_rank} is not >= 1")
+    # Epochs must tile the steps in order: a gap or an overlap would leave steps unchecked.
+    expected = 0
+    for e, (first, count) in enumerate(header.epochs):
+        if first != expected or count < 0:
+            err.add(f"header: epoch {e} starts at step {first}, expected {expected} "
+                    f"(holds {count} steps)")
+            return
+        expected += count
+    num_samples = header.dataset.num_samples
+    stats = header.stats
+    listed = [("dropped_samples", list(stats.get("dropped_samples", [])))]
+    listed.append(("truncated_samples", [s for s, _ in stats.get("truncated_samples", [])]))
+    undrawn = stats.get("undrawn_samples", [])
+    if header.global_batch.get("drop_last") and "undrawn_samples" in stats \
+            and len(undrawn) != len(header.epochs):
+        err.add(f"header: stats undrawn_samples lists {len(undrawn)} epochs, the plan has "
+                f"{len(header.epochs)}")
+    listed += [("undrawn_samples", list(u)) for u in undrawn]
+    for name, indices in listed:
+        bad = [s for s in indices if not 0 <= s < num_samples]
+        if bad:
+            err.add(f"header: stats {name} holds sample {bad[0]}, the dataset has {num_samples}")
 
 
 def validate(
@@ -345,12 +389,7 @@ def validate(
         source: a name for error messages (the plan's path).
     """
     err = _Errors()
-    p = header.parallel
-    if p.pool_size != p.dp * p.cp:
-        err.add(f"header: pool_size {p.pool_size} != dp x cp = {p.dp * p.cp}")
-    bad_sizes = set(header.cp_sizes) - set(valid_cp_sizes(p.pool_size))
-    if bad_sizes:
-        err.add(f"header: cp_sizes {sorted(bad_sizes)} are not valid for a pool of {p.pool_size}")
+    _check_header(header, err)
     if lengths is not None:
         fp = fingerprint_lengths(lengths)
         if fp != header.dataset.fingerprint:

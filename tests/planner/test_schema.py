@@ -125,3 +125,53 @@ def test_header_is_a_json_object_under_one_key() -> None:
                 "layout", "global_batch", "seed", "cost_model", "stats"):
         assert key in d
     assert d["parallel"]["pool_size"] == 4
+
+
+def test_validate_negative_microbatch_is_named() -> None:
+    steps = handmade.steps()
+    steps[0]["microbatch"][:] = np.array([-1, -1, -1, -1, 0])
+    with pytest.raises(ValueError, match="step 0: microbatches are not numbered"):
+        validate(handmade.header(), batches(steps=steps), handmade.LENGTHS)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"epochs": ((0, 1), (0, 1))}, "epoch 1 starts at step 0, expected 1"),
+        ({"stats": {"dropped_samples": [99], "truncated_samples": []}},
+         "dropped_samples holds sample 99, the dataset has 6"),
+        ({"stats": {"dropped_samples": [], "truncated_samples": [[99, 3]]}},
+         "truncated_samples holds sample 99, the dataset has 6"),
+        ({"layout": "foo"}, "layout 'foo'"),
+        ({"capacity_tokens_per_rank": 0}, "capacity_tokens_per_rank 0"),
+    ],
+)
+def test_validate_names_a_broken_header(overrides: dict[str, object], message: str) -> None:
+    h = handmade.header(**overrides)
+    with pytest.raises(ValueError, match=f"plan: invalid plan:\n  header: .*{message}"):
+        validate(h, batches(h), handmade.LENGTHS)
+
+
+def test_validate_zero_microbatch_group_size_is_an_error() -> None:
+    from planner.schema import ParallelInfo
+
+    h = handmade.header(parallel=ParallelInfo(dp=2, cp=2, tp=1, pp=2, vpp=2,
+                                              sequence_parallel=False, pool_size=4,
+                                              microbatch_group_size=0))
+    with pytest.raises(ValueError, match="header: microbatch_group_size 0"):
+        validate(h, batches(h), handmade.LENGTHS)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[1]", "header is not a JSON object"),
+        (handmade.header().to_json().replace('"epochs":[[0,2]]', '"epochs":[[0]]'),
+         "header is missing or has a malformed field"),
+    ],
+)
+def test_malformed_header_json_names_the_source(text: str, message: str) -> None:
+    from planner.schema import PlanHeader
+
+    with pytest.raises(ValueError, match=f"p.arrow: {message}"):
+        PlanHeader.from_json(text, source="p.arrow")
