@@ -151,8 +151,13 @@ class GroupCatalog:
         mapping: Mapping[Block, dist.ProcessGroup | None],
         *,
         pool_group: dist.ProcessGroup | None = None,
+        tp_cp_groups: Mapping[Block, dist.ProcessGroup | None] | None = None,
     ) -> GroupCatalog:
         """Wrap groups the caller already owns (for example sub-meshes of its DeviceMesh).
+
+        Every group must hold exactly the global ranks this module would have put in it
+        (``cp_global_ranks``, ``tp_cp_global_ranks``): the attention binds a group together with
+        those ranks, so a mesh laid out in another rank order would pair the wrong peers.
 
         Args:
             topology: this rank's topology.
@@ -160,9 +165,11 @@ class GroupCatalog:
                 this rank in; size-1 blocks may map to None. Blocks are in pool coordinates.
             pool_group: the group of all pool ranks of this rank's slice; defaults to
                 ``mapping[(0, pool_size)]`` when present.
+            tp_cp_groups: with tp > 1, block -> the block's TP x CP group (all its tp ranks).
 
         Raises:
-            ValueError: a block is not an aligned block of the pool, or a group's size differs.
+            ValueError: a block is not an aligned block of the pool, or a group's ranks differ
+                from the block's, naming both.
         """
         n = topology.pool_size
         for (start, k), group in mapping.items():
@@ -173,7 +180,18 @@ class GroupCatalog:
                 raise ValueError(f"group for block ({start}, {k}) has {size} ranks, expected {k}")
         if pool_group is None:
             pool_group = mapping.get((0, n))
-        return cls(topology, mapping, pool_group=pool_group)
+        cat = cls(topology, mapping, tp_cp_groups=tp_cp_groups, pool_group=pool_group)
+        for (start, k), group in mapping.items():
+            if group is not None:
+                _check_ranks(f"group for block ({start}, {k})", group,
+                             cat.cp_global_ranks(start, k))
+        for (start, k), group in (tp_cp_groups or {}).items():
+            if group is not None:
+                _check_ranks(f"TP x CP group for block ({start}, {k})", group,
+                             cat.tp_cp_global_ranks(start, k))
+        if pool_group is not None:
+            _check_ranks("pool group", pool_group, cat.cp_global_ranks(0, n))
+        return cat
 
     def _check_member(self, rank_start: int, cp_size: int) -> None:
         pool_rank = self.topology.pool_rank
@@ -240,6 +258,12 @@ class GroupCatalog:
         """The catalog blocks that contain this rank, in catalog order."""
         p = self.topology.pool_rank
         return [(s, k) for s, k in self._cp if s <= p < s + k]
+
+
+def _check_ranks(what: str, group: dist.ProcessGroup, want: list[int]) -> None:
+    got = dist.get_process_group_ranks(group)
+    if got != want:
+        raise ValueError(f"{what} holds global ranks {got}, expected {want}")
 
 
 def _warm_up(group: dist.ProcessGroup) -> None:

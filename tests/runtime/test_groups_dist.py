@@ -247,3 +247,36 @@ def test_create_rejects_invalid_sizes_and_world() -> None:
             GroupCatalog.create(Topology(world_size=4, rank=0, dp=2, cp=2), (1, 2))
     finally:
         dist.destroy_process_group()
+
+
+def test_from_groups_rejects_groups_of_other_ranks() -> None:
+    # dp 2 x cp 2 x tp 2: rank 5 is tp_rank 1, pool rank 2; its block (2, 2) is global [5, 7].
+    # A mesh laid out with tp slowest would hand it [4, 5]: right size, wrong peers.
+    _fake_world(5, 8)
+    try:
+        topo = Topology(world_size=8, rank=5, dp=2, cp=2, tp=2)
+        wrong = dist.new_group([4, 5])
+        right = dist.new_group([5, 7])
+        with pytest.raises(ValueError, match=r"\[4, 5\].*\[5, 7\]"):
+            GroupCatalog.from_groups(topo, {(2, 2): wrong})
+        assert GroupCatalog.from_groups(topo, {(2, 2): right}).cp_group(2, 2) is right
+        with pytest.raises(ValueError, match=r"pool group.*\[4, 5\].*\[1, 3, 5, 7\]"):
+            GroupCatalog.from_groups(topo, {(2, 2): right}, pool_group=wrong)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_from_groups_takes_tp_cp_groups() -> None:
+    # A caller with TP (DeviceMesh) must be able to hand over its TP x CP groups too.
+    _fake_world(5, 8)
+    try:
+        topo = Topology(world_size=8, rank=5, dp=2, cp=2, tp=2)
+        cp = dist.new_group([5, 7])
+        tp_cp = dist.new_group([4, 5, 6, 7])
+        cat = GroupCatalog.from_groups(topo, {(2, 2): cp}, tp_cp_groups={(2, 2): tp_cp})
+        assert cat.tp_cp_group(2, 2) is tp_cp
+        with pytest.raises(ValueError, match=r"TP x CP group.*\[4, 5\].*\[4, 5, 6, 7\]"):
+            GroupCatalog.from_groups(topo, {(2, 2): cp},
+                                     tp_cp_groups={(2, 2): dist.new_group([4, 5])})
+    finally:
+        dist.destroy_process_group()
