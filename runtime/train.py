@@ -205,10 +205,15 @@ def copy_final_state(result: TrainResult, model: GPT) -> None:
 
 
 class Trainer:
-    """Replays a plan on this rank; the process group must be initialised by the caller."""
+    """Replays a plan on this rank; the process group must be initialised by the caller.
+
+    ``catalog`` takes process groups the caller already owns (``GroupCatalog.from_groups``, for
+    example from a DeviceMesh); by default every group of the plan is created here.
+    """
 
     def __init__(self, cfg: TrainConfig, model_config: GPTConfig, *,
-                 reader: PlanReader | None = None, source: TokenSource | None = None) -> None:
+                 reader: PlanReader | None = None, source: TokenSource | None = None,
+                 catalog: GroupCatalog | None = None) -> None:
         self.cfg = cfg
         self.device = resolve_device(cfg)
         self.reader = reader or PlanReader(cfg.plan)
@@ -222,8 +227,13 @@ class Trainer:
             raise ValueError(f"{cfg.plan}: plan uses tp={header.parallel.tp}, "
                              f"pp={header.parallel.pp}; dcp-train's model has no tensor or "
                              "pipeline parallelism (tp = pp = 1 only)")
-        # Collective: every rank creates every group of the catalog, in catalog order.
-        self.catalog = GroupCatalog.create(self.topology, header.cp_sizes)
+        if catalog is None:
+            # Collective: every rank creates every group of the catalog, in catalog order.
+            catalog = GroupCatalog.create(self.topology, header.cp_sizes)
+        elif catalog.topology != self.topology:
+            raise ValueError(f"catalog built for {catalog.topology}, the plan needs "
+                             f"{self.topology}")
+        self.catalog = catalog
         self.pool_group = self.catalog.pool_group
         self.replayer = Replayer(self.reader, self.source, self.topology, self.catalog,
                                  check_dataset=False)  # checked above

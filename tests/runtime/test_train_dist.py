@@ -21,15 +21,19 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
 import torch
+import torch.distributed as dist
 
 from planner.config import ParallelConfig, PlannerConfig
 from planner.cost import load_cost_model
+from planner.groups import catalog
 from planner.io import write_plan
 from planner.lengths import read_lengths
 from planner.plan import make_plan
+from runtime.groups import GroupCatalog
 from runtime.model import GPTConfig
 from runtime.oracle import train_reference
 from runtime.plan_reader import PlanReader
+from runtime.topology import Topology
 from runtime.train import TrainConfig, Trainer, TrainResult, main
 from tests.dist import run_distributed
 from tests.runtime.planfactory import random_plan
@@ -93,11 +97,27 @@ def _variants(tmp: Path) -> dict[str, TrainConfig]:
     }
 
 
+def _caller_catalog(rank: int, world_size: int, plan: Path) -> GroupCatalog:
+    """Groups made by the caller (as a DeviceMesh would), wrapped with ``from_groups``."""
+    header = PlanReader(plan).header
+    topo = Topology.from_header(header.parallel, rank=rank, world_size=world_size)
+    mapping: dict[tuple[int, int], dist.ProcessGroup | None] = {}
+    for start, k in catalog(topo.pool_size, header.cp_sizes):
+        group = dist.new_group(list(range(start, start + k))) if k > 1 else None
+        if start <= topo.pool_rank < start + k:
+            mapping[(start, k)] = group
+    return GroupCatalog.from_groups(topo, mapping)
+
+
 def _rank_fn(rank: int, world_size: int, store: str, tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, cfg in _variants(Path(tmp)).items():
         result = Trainer(cfg, MODEL).run(keep_state=rank == 0)
         out[name] = result
+    cfg = _variants(Path(tmp))["zigzag"]
+    cat = _caller_catalog(rank, world_size, Path(cfg.plan))
+    out["caller_groups"] = Trainer(replace(cfg, log_jsonl=""), MODEL, catalog=cat).run(
+        keep_state=rank == 0)
     return out
 
 
@@ -184,6 +204,14 @@ def test_split_samples_and_fillers_match_reference(
 
 def test_torch_cp_path_matches_reference(world: tuple[Path, dict[str, TrainResult]]) -> None:
     _check_against_reference(world, "torch")
+
+
+def test_caller_owned_groups_give_the_same_run(
+        world: tuple[Path, dict[str, TrainResult]]) -> None:
+    _, results = world
+    got, want = results["caller_groups"], results["zigzag"]
+    assert [g.loss for g in got.logs] == [w.loss for w in want.logs]
+    _assert_same_params(got.state, want.state)
 
 
 def test_resume_continues_with_identical_losses(
