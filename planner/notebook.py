@@ -22,6 +22,7 @@ import pyarrow as pa
 
 from planner.cost import CostModel, simulate_step, step_lower_bound
 from planner.io import PlanFile
+from planner.plan_stats import min_num_microbatches
 from planner.schema import COLUMN_NAMES, PlanHeader, column_numpy
 
 
@@ -44,6 +45,8 @@ def step_summary_row(header: PlanHeader, cost: CostModel, step: int,
     num_mb = int(mb.max()) + 1 if len(mb) else 0
     group_first = np.r_[True, (np.diff(mb) != 0) | (np.diff(start) != 0)] if len(mb) else mb
     real = int(ntok.sum())
+    seg = ntok[sample >= 0].astype(np.int64)
+    tp_eff = header.parallel.tp_eff
     row: dict[str, Any] = {
         "step": step,
         "microbatches": num_mb,
@@ -54,8 +57,9 @@ def step_summary_row(header: PlanHeader, cost: CostModel, step: int,
         "slot_fill": real / (n * cap * num_mb) if num_mb else 0.0,
         "simulated_s": simulate_step(cost, n, mb, start, k, padded),
         "lower_bound_s": step_lower_bound(
-            cost, n, ntok[sample >= 0], header.cp_sizes, cap, header.parallel.tp_eff,
-            header.layout, max(1, -(-real // (n * cap)))),
+            cost, n, seg, header.cp_sizes, cap, tp_eff, header.layout,
+            min_num_microbatches(seg, header.cp_sizes, cap, tp_eff, header.layout, n,
+                                 header.parallel.microbatch_multiple)),
     }
     for size in header.cp_sizes:
         row[f"groups_cp{size}"] = int((group_first & (k == size)).sum())

@@ -32,7 +32,7 @@ from planner.cost import CostModel
 from planner.greedy import PackingParams
 from planner.groups import pad_multiple
 from planner.parallel import StepJobs, plan_steps
-from planner.plan_stats import plan_stats
+from planner.plan_stats import min_padded, plan_stats
 from planner.schema import (
     COLUMN_NAMES,
     DatasetInfo,
@@ -90,10 +90,7 @@ def apply_long_policy(lengths: NDArray[np.int64], config: PlannerConfig) -> Long
     """Apply ``config.long_sequences`` to every sample that no allowed group size holds."""
     tp_eff = config.parallel.tp_eff
     cap = config.capacity_tokens_per_rank
-    fits = np.zeros(len(lengths), dtype=np.bool_)
-    for k in config.sizes:
-        m = pad_multiple(k, tp_eff, config.layout)
-        fits |= -(-lengths // m) * m <= k * cap
+    fits = min_padded(lengths, config.sizes, cap, tp_eff, config.layout) > 0
     long_idx = np.flatnonzero(~fits & (lengths > 0))
     seg, seg_k = segment_capacity(config)
     tokens = np.where(lengths > 0, lengths, 0).astype(np.int64)

@@ -27,16 +27,28 @@ from planner.cost import CostModel, simulate_step, step_lower_bound
 from planner.groups import pad_multiple
 
 
-def min_padded(tokens: NDArray[np.int64], config: PlannerConfig) -> NDArray[np.int64]:
-    """Each segment's padded length at the smallest group size that holds it."""
-    tp_eff = config.parallel.tp_eff
-    cap = config.capacity_tokens_per_rank
+def min_padded(tokens: NDArray[np.int64], sizes: tuple[int, ...], capacity: int, tp_eff: int,
+               layout: str) -> NDArray[np.int64]:
+    """Each segment's padded length at the smallest group size that holds it (0: none does)."""
+    tokens = np.asarray(tokens, dtype=np.int64)
     out = np.zeros(len(tokens), dtype=np.int64)
-    for k in reversed(config.sizes):
-        m = pad_multiple(k, tp_eff, config.layout)
+    for k in sorted(sizes, reverse=True):
+        m = pad_multiple(k, tp_eff, layout)
         p = -(-tokens // m) * m
-        out = np.where(p <= k * cap, p, out)
+        out = np.where(p <= k * capacity, p, out)
     return out
+
+
+def min_num_microbatches(tokens: NDArray[np.int64], sizes: tuple[int, ...], capacity: int,
+                         tp_eff: int, layout: str, pool_size: int, multiple: int) -> int:
+    """ceil(padded tokens at the smallest sizes / (N C)), at least 1, rounded up to ``multiple``.
+
+    The microbatch count the step's lower bound assumes; ``plan_stats`` and the notebook's
+    per-step summary both use it, so their bounds agree.
+    """
+    need = -(-int(min_padded(tokens, sizes, capacity, tp_eff, layout).sum())
+             // (pool_size * capacity))
+    return -(-max(need, 1) // multiple) * multiple
 
 
 def plan_stats(steps: list[dict[str, NDArray[Any]]], step_segments: list[NDArray[np.int64]],
@@ -57,10 +69,9 @@ def plan_stats(steps: list[dict[str, NDArray[Any]]], step_segments: list[NDArray
         mb_per_step[i] = int(cols["microbatch"][-1]) + 1
         sim += simulate_step(cost, n, cols["microbatch"], cols["rank_start"], cols["cp_size"],
                              cols["padded_tokens"])
-        need = -(-int(min_padded(seg, config).sum()) // (n * cap))
-        need = -(-max(need, 1) // mult) * mult
-        bound += step_lower_bound(cost, n, seg, config.sizes, cap, config.parallel.tp_eff,
-                                  config.layout, need)
+        tp_eff = config.parallel.tp_eff
+        need = min_num_microbatches(seg, config.sizes, cap, tp_eff, config.layout, n, mult)
+        bound += step_lower_bound(cost, n, seg, config.sizes, cap, tp_eff, config.layout, need)
     if steps:
         cat = {c: np.concatenate([s[c] for s in steps])
                for c in ("step", "microbatch", "rank_start", "cp_size", "sample_index",
