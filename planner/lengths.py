@@ -73,13 +73,22 @@ class LengthTable:
     """Sorted sample indices of the bad records skipped with skip_bad_records."""
 
     def __post_init__(self) -> None:
-        assert self.format in FORMATS, self.format
+        # A public constructor (notebooks, benchmarks build tables from arrays): bad input is a
+        # ValueError, not an assert.
+        if self.format not in FORMATS:
+            raise ValueError(f"format {self.format!r} is not one of {', '.join(FORMATS)}")
         for name in ("lengths", "skipped"):
             # A read-only view: the caller's own array stays writable.
             arr = np.ascontiguousarray(getattr(self, name), dtype=np.int64).view()
-            assert arr.ndim == 1, name
+            if arr.ndim != 1:
+                raise ValueError(f"{name} must be one-dimensional, got shape {arr.shape}")
             arr.flags.writeable = False
             object.__setattr__(self, name, arr)
+        negative = np.flatnonzero(self.lengths < 0)
+        if negative.size:
+            i = int(negative[0])
+            raise ValueError(f"{self.path}: sample {i} has length {int(self.lengths[i])}; "
+                             "lengths must be >= 0 (0 marks a skipped record)")
 
     @property
     def num_samples(self) -> int:

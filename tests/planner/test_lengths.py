@@ -416,3 +416,18 @@ def test_length_table_is_read_only(tmp_path: Path) -> None:
     assert table.lengths.dtype == np.int64
     with pytest.raises(ValueError, match="read-only"):
         table.lengths[0] = 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"format": "txt"}, "format 'txt' is not one of"),
+        ({"lengths": [[1, 2]]}, "lengths must be one-dimensional"),
+        ({"lengths": [3, -1]}, "sample 1 has length -1"),
+    ],
+)
+def test_length_table_rejects_bad_input(kwargs: dict[str, object], message: str) -> None:
+    args: dict[str, object] = {"path": "mem", "format": "text", "lengths": [3, 4], "skipped": []}
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        LengthTable(**args)  # type: ignore[arg-type]
