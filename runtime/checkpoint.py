@@ -2,7 +2,7 @@
 
 Layout of a checkpoint directory::
 
-    DIR/state.pt        model and optimizer state dicts, next step, model config, plan path
+    DIR/state.pt        model and optimizer state dicts, next step, ``meta`` (checked on load)
     DIR/rng-<rank>.pt   that rank's torch (CPU and CUDA) and numpy RNG states
 
 Parameters and optimizer states are replicated on every pool rank (plain data parallelism over
@@ -66,7 +66,7 @@ def save(directory: str | os.PathLike[str], *, model: torch.nn.Module,
         model: the model (its state is identical on every rank).
         optimizer: its optimizer.
         next_step: the first step a resumed run executes.
-        meta: small JSON-like facts kept for checks on resume (model config, plan path).
+        meta: small JSON-like facts kept for checks on resume (model config, plan digest).
         rank: this process's rank in ``group`` (rank 0 writes the shared state).
         group: the ranks that save together; None for the default group.
     """
@@ -96,8 +96,10 @@ def load(directory: str | os.PathLike[str], *, model: torch.nn.Module,
     state_path = path / STATE_FILE
     if not state_path.is_file():
         raise ValueError(f"{path}: no checkpoint ({STATE_FILE} missing)")
-    device = next(model.parameters()).device
-    state = torch.load(state_path, map_location=device, weights_only=False)
+    # Load on the CPU: load_state_dict moves every tensor to its parameter's device, except
+    # AdamW's "step" counters, which must stay on the CPU (on the GPU each step would read them
+    # back with .item(): a host-device sync per parameter per step).
+    state = torch.load(state_path, map_location="cpu", weights_only=False)
     if state.get("format") != FORMAT:
         raise ValueError(f"{state_path}: checkpoint format {state.get('format')!r}, expected "
                          f"{FORMAT}")

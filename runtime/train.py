@@ -35,6 +35,7 @@ tokens, microbatches, seconds, tokens_per_s.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -158,8 +159,12 @@ def autocast_context(cfg: TrainConfig, device: torch.device) -> AbstractContextM
 
 
 def checkpoint_meta(model_config: GPTConfig, reader: PlanReader) -> dict[str, Any]:
+    # The plan's header digest: a resume must replay the same batches, and another plan of the
+    # same dataset and step count would pass every other check.
+    plan = hashlib.sha256(reader.header.to_json().encode()).hexdigest()[:16]
     return {"model": checkpoint.config_meta(model_config),
-            "dataset": reader.header.dataset.fingerprint, "num_steps": reader.num_steps}
+            "dataset": reader.header.dataset.fingerprint, "num_steps": reader.num_steps,
+            "plan": plan}
 
 
 class StepLogger:

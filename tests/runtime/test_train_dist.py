@@ -240,6 +240,21 @@ def test_reference_cli_resume_matches_uninterrupted(tmp_path: Path) -> None:
     assert resumed[0]["loss"] == full[1]["loss"]
 
 
+def test_resume_refuses_another_plan(tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A checkpoint resumes only the plan it was saved with (same dataset and step count or not):
+    another plan would replay other batches and the losses would silently diverge."""
+    data = _write_dataset(tmp_path / "data.arrow", _lengths(seed=2))
+    zz = _plan(tmp_path / "zz.arrow", data, "zigzag")
+    ct = _plan(tmp_path / "ct.arrow", data, "contiguous")
+    assert PlanReader(zz).num_steps == PlanReader(ct).num_steps
+    common = ["--dataset", str(data), "--reference", "--quiet", "--vocab-size", "64",
+              "--hidden-size", "32", "--steps", "2"]
+    assert main([*common, "--plan", str(zz), "--steps", "1", "--save", str(tmp_path / "ck")]) == 0
+    assert main([*common, "--plan", str(ct), "--resume", str(tmp_path / "ck")]) == 2
+    assert "checkpoint has plan=" in capsys.readouterr().err
+
+
 def test_bad_flags_are_rejected(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["--plan", "p", "--dataset", "d", "--attention", "te"])
