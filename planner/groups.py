@@ -21,6 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+MAX_SEGMENT_TOKENS = 2**31 - 1
+"""Most padded tokens one plan row can hold: ``num_tokens`` and ``padded_tokens`` are int32."""
+
 ZIGZAG = "zigzag"
 CONTIGUOUS = "contiguous"
 LAYOUTS = (ZIGZAG, CONTIGUOUS)
@@ -41,7 +44,7 @@ def valid_cp_sizes(pool_size: int) -> tuple[int, ...]:
 
 
 def check_cp_sizes(pool_size: int, sizes: Sequence[int]) -> tuple[int, ...]:
-    """Return ``sizes`` sorted and deduplicated, or raise ValueError naming a size that is invalid."""
+    """``sizes`` sorted and deduplicated, or ValueError naming a size that is invalid."""
     valid = set(valid_cp_sizes(pool_size))
     out = sorted(set(int(s) for s in sizes))
     if not out:
@@ -77,7 +80,7 @@ def is_aligned(rank_start: int, size: int, pool_size: int) -> bool:
     """True when [rank_start, rank_start+size) is a valid aligned block of the pool."""
     if size == pool_size:
         return rank_start == 0
-    return size >= 1 and rank_start % size == 0 and 0 <= rank_start and rank_start + size <= pool_size
+    return size >= 1 and rank_start % size == 0 and 0 <= rank_start <= pool_size - size
 
 
 def pad_multiple(cp_size: int, tp_eff: int, layout: str) -> int:

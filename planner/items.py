@@ -4,7 +4,7 @@ For a step's segments and the allowed sizes s_0 < ... < s_{L-1} (levels), ``item
 per segment i and level l (cost.py's formula, split into the parts the kernels need):
 
 - ``padded[i, l]``: the segment padded to the level's multiple (groups.pad_multiple);
-- ``fits[i, l]``: whether it fits one group of the level (padded <= s_l * C);
+- ``fits[i, l]``: whether it fits one group of the level (padded <= s_l * C, and <= 2^31-1);
 - ``time[i, l]``: its share of a group's per-rank time, (a P + b P^2) / s_l plus the ring's
   per-token term (s_l - 1) * cp_token * P / s_l, without any per-group fixed cost;
 - ``lone[i, l]``: the time of a group holding it alone, with the ring latency beyond what a
@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 from numpy.typing import NDArray
+
+from planner.groups import MAX_SEGMENT_TOKENS
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -54,7 +56,7 @@ def seq_time(c: NDArray[np.float64], k: int, p: float) -> float:
 
 @numba.njit(cache=True)
 def _tables(tokens: NDArray[np.int64], sizes: NDArray[np.int64], mults: NDArray[np.int64],
-            capacity: int, c: NDArray[np.float64]
+            capacity: int, c: NDArray[np.float64], max_segment: int
             ) -> tuple[NDArray[np.int64], NDArray[np.bool_], NDArray[np.float64],
                        NDArray[np.float64], NDArray[np.float64], NDArray[np.int64],
                        NDArray[np.int64]]:
@@ -74,7 +76,8 @@ def _tables(tokens: NDArray[np.int64], sizes: NDArray[np.int64], mults: NDArray[
             m = mults[lv]
             p = (tokens[i] + m - 1) // m * m
             padded[i, lv] = p
-            fits[i, lv] = p <= k * capacity
+            # Plan rows are int32: a segment never pads past MAX_SEGMENT_TOKENS.
+            fits[i, lv] = p <= k * capacity and p <= max_segment
             t = seq_time(c, k, float(p))
             time[i, lv] = t
             # Ring latency beyond the smallest size's, which every microbatch of every rank
@@ -96,6 +99,6 @@ def item_tables(tokens: NDArray[np.int64], sizes: NDArray[np.int64], mults: NDAr
                 capacity: int, cost: NDArray[np.float64]) -> ItemTables:
     """The step's tables; ``cost`` is CostModel.as_array(). Raises if a segment fits no size."""
     padded, fits, time, lone, work, min_level, order = _tables(
-        np.asarray(tokens, np.int64), sizes, mults, capacity, cost)
+        np.asarray(tokens, np.int64), sizes, mults, capacity, cost, MAX_SEGMENT_TOKENS)
     return ItemTables(padded=padded, fits=fits, time=time, lone=lone, work=work,
                       min_level=min_level, order=order)

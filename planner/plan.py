@@ -30,7 +30,7 @@ from planner.batches import draw_global_batches
 from planner.config import PlannerConfig
 from planner.cost import CostModel
 from planner.greedy import PackingParams
-from planner.groups import pad_multiple
+from planner.groups import MAX_SEGMENT_TOKENS, pad_multiple
 from planner.parallel import StepJobs, plan_steps
 from planner.plan_stats import min_padded, plan_stats
 from planner.schema import (
@@ -82,7 +82,8 @@ def segment_capacity(config: PlannerConfig) -> tuple[int, int]:
     best = (0, config.sizes[-1])
     for k in config.sizes:
         m = pad_multiple(k, tp_eff, config.layout)
-        best = max(best, ((k * config.capacity_tokens_per_rank) // m * m, k))
+        hold = min(k * config.capacity_tokens_per_rank, MAX_SEGMENT_TOKENS)
+        best = max(best, (hold // m * m, k))
     return best
 
 

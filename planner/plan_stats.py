@@ -24,18 +24,21 @@ from numpy.typing import NDArray
 
 from planner.config import PlannerConfig
 from planner.cost import CostModel, simulate_step, step_lower_bound
-from planner.groups import pad_multiple
+from planner.groups import MAX_SEGMENT_TOKENS, pad_multiple
 
 
 def min_padded(tokens: NDArray[np.int64], sizes: tuple[int, ...], capacity: int, tp_eff: int,
                layout: str) -> NDArray[np.int64]:
-    """Each segment's padded length at the smallest group size that holds it (0: none does)."""
+    """Each segment's padded length at the smallest group size that holds it (0: none does).
+
+    A group holds k x C padded tokens, and one segment at most MAX_SEGMENT_TOKENS (int32 rows).
+    """
     tokens = np.asarray(tokens, dtype=np.int64)
     out = np.zeros(len(tokens), dtype=np.int64)
     for k in sorted(sizes, reverse=True):
         m = pad_multiple(k, tp_eff, layout)
         p = -(-tokens // m) * m
-        out = np.where(p <= k * capacity, p, out)
+        out = np.where(p <= min(k * capacity, MAX_SEGMENT_TOKENS), p, out)
     return out
 
 

@@ -341,3 +341,15 @@ def test_beats_static_cp_on_a_long_tail_mix() -> None:
     ours = plan.header.stats["simulated_seconds"]
     assert ours < 0.9 * static, (ours, static)
     assert ours <= 1.05 * plan.header.stats["lower_bound_seconds"]
+
+
+def test_segments_longer_than_int32_are_long_sequences() -> None:
+    # N x C = 2^32 padded tokens, but num_tokens/padded_tokens are int32 columns: a 3e9-token
+    # sample must follow the long-sequence policy instead of wrapping around.
+    tab = table([3_000_000_000, 100])
+    with pytest.raises(ValueError, match="sample 0 has 3000000000 tokens"):
+        make_plan(tab, config(dp=8, cp=1, capacity=2**29, gbs=2, effort="fast"), COST)
+    cfg = config(dp=8, cp=1, capacity=2**29, gbs=2, effort="fast", long_sequences="split")
+    plan = make_plan(tab, cfg, COST)
+    check_plan(plan, tab, cfg)
+    assert plan.header.stats["split_samples"] == [0]
