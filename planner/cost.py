@@ -2,7 +2,7 @@
 
 A group of size k whose packed buffer holds padded lengths P_i takes, on each of its k ranks,
 
-    t = sum_i(a * P_i + b * P_i^2) / k                       # GEMMs + causal attention, split k ways
+    t = sum_i(a * P_i + b * P_i^2) / k                       # GEMMs + causal attention, k ways
         + [k > 1] * (k - 1) * (cp_fixed_s + cp_token_s * S / k)   # ring exchange of K/V chunks
         + microbatch_s                                       # per-microbatch fixed cost
 
@@ -188,7 +188,7 @@ def step_lower_bound(cost: CostModel, pool_size: int, lengths: NDArray[np.intege
     for k in sizes:
         m = pad_multiple(k, tp_eff, layout)
         P = (-(-L // m) * m).astype(np.float64)
-        fits = P <= k * capacity
+        fits = k * capacity >= P
         work = c[0] * P + c[1] * P * P + (k - 1) * c[3] * P
         t = work / k + ((k - 1) * c[2] if k > 1 else 0.0)
         best_work = np.where(fits, np.minimum(best_work, work), best_work)

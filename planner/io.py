@@ -19,7 +19,7 @@ from planner.schema import COLUMN_NAMES, HEADER_KEY, PlanHeader, arrow_schema
 
 def write_plan(path: str | os.PathLike[str], header: PlanHeader,
                steps: Iterable[pa.RecordBatch]) -> Path:
-    """Write ``steps`` (batch i = step i) with ``header`` to ``path`` atomically; return the path."""
+    """Write ``steps`` (batch i = step i) with ``header`` to ``path`` atomically; return it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

@@ -27,14 +27,15 @@ def plot_step_load(header: PlanHeader, cost: CostModel, step: int,
     """Per-rank busy seconds of one step, one stacked segment per microbatch, coloured by size."""
     ax = _axes(ax)
     n = header.parallel.pool_size
-    mb, start, k, padded = cols["microbatch"], cols["rank_start"], cols["cp_size"], cols["padded_tokens"]
+    mb, start, k = cols["microbatch"], cols["rank_start"], cols["cp_size"]
+    padded = cols["padded_tokens"]
     bottoms = np.zeros(n)
     sizes = sorted(header.cp_sizes)
     cmap = {s: f"C{i}" for i, s in enumerate(sizes)}
     first = np.flatnonzero(np.r_[True, (np.diff(mb) != 0) | (np.diff(start) != 0)])
     ends = np.r_[first[1:], len(mb)]
     seen: set[int] = set()
-    for a, b in zip(first, ends):
+    for a, b in zip(first, ends, strict=True):
         kk, r0 = int(k[a]), int(start[a])
         t = cost.group_time(kk, padded[a:b])
         ranks = np.arange(r0, r0 + kk)
