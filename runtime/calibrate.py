@@ -70,7 +70,7 @@ from runtime.calibrate_timing import (
     ring_grid,
     single_grid,
 )
-from runtime.model import GPTConfig
+from runtime.model import GPTConfig, add_model_arguments, model_config_from_args
 
 FORMAT = "dcp-calibrate/1"
 """Version of the ``measured`` block."""
@@ -322,19 +322,10 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[CalibrateConfig, GPTC
     p.add_argument("--repeats", type=int, default=7, help="timed runs per configuration")
     p.add_argument("--quick", action="store_true", help="small grid, 1 warm-up, 3 repeats")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and tokens")
-    p.add_argument("--vocab-size", type=int, default=256, help="token ids are below this")
-    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
-    p.add_argument("--hidden-size", type=int, default=64, help="model width")
-    p.add_argument("--heads", type=int, default=4, help="query heads")
-    p.add_argument("--query-groups", type=int, default=2, help="key/value heads (GQA)")
-    p.add_argument("--ffn-hidden-size", type=int, default=0, help="SwiGLU width (0: 4 x hidden)")
-    p.add_argument("--untied", action="store_true", help="separate LM head weights")
+    add_model_arguments(p)
     a = p.parse_args(argv)
     try:
-        model_config = GPTConfig(vocab_size=a.vocab_size, num_layers=a.layers,
-                                 hidden_size=a.hidden_size, num_heads=a.heads,
-                                 num_query_groups=a.query_groups,
-                                 ffn_hidden_size=a.ffn_hidden_size, tie_embeddings=not a.untied)
+        model_config = model_config_from_args(a)
         cfg = CalibrateConfig(output=a.output, name=a.name, device=a.device,
                               attention=a.attention, dtype=a.dtype, max_tokens=a.max_tokens,
                               min_length=a.min_length, max_length=a.max_length,

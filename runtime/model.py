@@ -22,6 +22,7 @@ reference start from bit-identical parameters whatever the device.
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -210,3 +211,23 @@ def sequence_attention(q: Tensor, k: Tensor, v: Tensor, layer_index: int) -> Ten
         q.transpose(0, 1)[None], expand_kv(k, h).transpose(0, 1)[None],
         expand_kv(v, h).transpose(0, 1)[None], is_causal=True)
     return out[0].transpose(0, 1)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model-shape flags shared by ``dcp-train`` and ``dcp-calibrate``."""
+    parser.add_argument("--vocab-size", type=int, default=256, help="token ids must be below this")
+    parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    parser.add_argument("--hidden-size", type=int, default=64, help="model width")
+    parser.add_argument("--heads", type=int, default=4, help="query heads")
+    parser.add_argument("--query-groups", type=int, default=2, help="key/value heads (GQA)")
+    parser.add_argument("--ffn-hidden-size", type=int, default=0,
+                        help="SwiGLU width (0: 4 x hidden)")
+    parser.add_argument("--untied", action="store_true", help="separate LM head weights")
+
+
+def model_config_from_args(args: argparse.Namespace) -> GPTConfig:
+    """GPTConfig from the flags of ``add_model_arguments`` (ValueError on a bad shape)."""
+    return GPTConfig(vocab_size=args.vocab_size, num_layers=args.layers,
+                     hidden_size=args.hidden_size, num_heads=args.heads,
+                     num_query_groups=args.query_groups, ffn_hidden_size=args.ffn_hidden_size,
+                     tie_embeddings=not args.untied)

@@ -55,7 +55,7 @@ from runtime.backends import ATTENTIONS, make_backend
 from runtime.batch import to_device
 from runtime.groups import GroupCatalog
 from runtime.loss import per_token_loss
-from runtime.model import GPT, GPTConfig
+from runtime.model import GPT, GPTConfig, add_model_arguments, model_config_from_args
 from runtime.plan_reader import PlanReader
 from runtime.replay import Replayer
 from runtime.tokens import TokenSource, open_token_source
@@ -375,23 +375,14 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, GPTConfi
     p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps")
     p.add_argument("--resume", default="", help="checkpoint directory to continue from")
     p.add_argument("--quiet", action="store_true", help="do not print per-step lines")
-    p.add_argument("--vocab-size", type=int, default=256, help="token ids must be below this")
-    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
-    p.add_argument("--hidden-size", type=int, default=64, help="model width")
-    p.add_argument("--heads", type=int, default=4, help="query heads")
-    p.add_argument("--query-groups", type=int, default=2, help="key/value heads (GQA)")
-    p.add_argument("--ffn-hidden-size", type=int, default=0, help="SwiGLU width (0: 4 x hidden)")
-    p.add_argument("--untied", action="store_true", help="separate LM head weights")
+    add_model_arguments(p)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
                    help="fp32, or bf16 autocast with fp32 master weights")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     a = p.parse_args(argv)
     try:
-        model_config = GPTConfig(vocab_size=a.vocab_size, num_layers=a.layers,
-                                 hidden_size=a.hidden_size, num_heads=a.heads,
-                                 num_query_groups=a.query_groups,
-                                 ffn_hidden_size=a.ffn_hidden_size, tie_embeddings=not a.untied)
+        model_config = model_config_from_args(a)
         cfg = TrainConfig(plan=a.plan, dataset=a.dataset, steps=a.steps, device=a.device,
                           seed=a.seed, attention=a.attention, dtype=a.dtype, lr=a.lr,
                           weight_decay=a.weight_decay, log_jsonl=a.log_jsonl, save=a.save,
