@@ -16,7 +16,10 @@ How a training step uses this module:
 2. after the step's microbatches: ``total = global_num_tokens(sum of num_tokens, pool_group)``;
 3. all-reduce the gradients with SUM over the pool (not average) and divide them by ``total``.
 Tensor-parallel peers hold the same tokens, so counts are reduced over the pool of this rank's
-tp/pp slice only (``GroupCatalog.pool_group``), never over the whole world.
+tp/pp slice only (``GroupCatalog.pool_group``), never over the whole world. ``runtime.train``
+does step 2 as one all-reduce of ``[loss_sum, num_tokens]`` (float64) so the logged loss and the
+count share a collective; ``global_num_tokens`` / ``step_loss`` are the same rule for loops that
+only need the count.
 
 Example: a pool of 2, one microbatch. Rank 0 (a group of 1) has 3 loss tokens whose losses sum
 to 3.0; rank 1 has 1 token of loss 5.0. Step loss = (3 + 5) / (3 + 1) = 2.0, the mean over the 4
