@@ -119,7 +119,6 @@ def cmd_plan(argv: list[str]) -> int:
     from planner.io import write_plan
     from planner.lengths import read_lengths
     from planner.plan import make_plan
-    from planner.schema import validate
 
     t0 = time.perf_counter()
     parallel = ParallelConfig(dp=args.dp, cp=args.cp, tp=args.tp, pp=args.pp, vpp=args.vpp,
@@ -139,11 +138,10 @@ def cmd_plan(argv: list[str]) -> int:
     t1 = time.perf_counter()
     plan = make_plan(table, config, cost, progress=_Progress(not args.quiet))
     t2 = time.perf_counter()
-    batches = list(plan.record_batches())
-    # Validate before anything reaches the final path: a plan that breaks an invariant is a bug,
-    # and the user must never find a half-right file under the name they asked for.
-    validate(plan.header, batches, table.lengths, source=str(out))
-    write_plan(out, plan.header, batches)
+    # write_plan validates (with the lengths: coverage to the last token) before anything reaches
+    # the final path: a plan that breaks an invariant is a bug, and the user must never find a
+    # half-right file under the name they asked for.
+    write_plan(out, plan.header, plan.record_batches(), lengths=table.lengths)
     t3 = time.perf_counter()
     if not args.quiet:
         print(format_summary(plan.header, out, table.num_samples,

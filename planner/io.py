@@ -11,16 +11,35 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
+from numpy.typing import NDArray
 
-from planner.schema import COLUMN_NAMES, HEADER_KEY, PlanHeader, arrow_schema
+from planner.schema import COLUMN_NAMES, HEADER_KEY, PlanHeader, arrow_schema, validate
 
 
 def write_plan(path: str | os.PathLike[str], header: PlanHeader,
-               steps: Iterable[pa.RecordBatch]) -> Path:
-    """Write ``steps`` (batch i = step i) with ``header`` to ``path`` atomically; return it."""
+               steps: Iterable[pa.RecordBatch], *, lengths: NDArray[np.integer] | None = None,
+               check: bool = True) -> Path:
+    """Validate and write ``steps`` (batch i = step i) with ``header`` to ``path`` atomically.
+
+    Args:
+        path: the plan file; its directory is created.
+        header: the plan header.
+        steps: one record batch per step.
+        lengths: the dataset's sample lengths; with them, coverage is checked to the last token.
+        check: run ``schema.validate`` first (the default): an invalid plan raises ValueError and
+            nothing is written. ``False`` streams without holding the steps (for callers that
+            validated already).
+
+    Returns:
+        ``path``.
+    """
     path = Path(path)
+    if check:
+        steps = list(steps)
+        validate(header, steps, lengths, source=str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     schema = arrow_schema(header)

@@ -175,3 +175,14 @@ def test_malformed_header_json_names_the_source(text: str, message: str) -> None
 
     with pytest.raises(ValueError, match=f"p.arrow: {message}"):
         PlanHeader.from_json(text, source="p.arrow")
+
+
+def test_write_plan_validates_and_writes_nothing_when_invalid(tmp_path) -> None:  # noqa: ANN001
+    steps = handmade.steps()
+    steps[0]["padded_tokens"][0] = 20  # over capacity
+    h = handmade.header()
+    target = tmp_path / "bad.arrow"
+    with pytest.raises(ValueError, match="capacity"):
+        write_plan(target, h, batches(h, steps), lengths=handmade.LENGTHS)
+    assert not target.exists()
+    assert list(tmp_path.iterdir()) == []

@@ -50,14 +50,17 @@ def header(lengths: NDArray[np.int64], *, dp: int, cp: int, tp: int = 1, pp: int
     )
 
 
-def write(path: Path, hdr: PlanHeader, steps: list[list[Row]]) -> Path:
-    """Write ``steps`` (rows per step, already in plan order) under ``hdr``."""
+def write(path: Path, hdr: PlanHeader, steps: list[list[Row]], *, check: bool = True) -> Path:
+    """Write ``steps`` (rows per step, already in plan order) under ``hdr``.
+
+    ``check=False`` writes a deliberately invalid plan (tests of validation on load).
+    """
     schema = arrow_schema(hdr)
     batches = []
     for i, rows in enumerate(steps):
         a = np.array([(i, *r) for r in rows], dtype=np.int64).reshape(-1, 8)
         batches.append(step_batch(schema, {n: a[:, j] for j, n in enumerate(COLUMN_NAMES)}))
-    return write_plan(path, hdr, batches)
+    return write_plan(path, hdr, batches, check=check)
 
 
 def _partition(pool: int, rng: np.random.Generator) -> list[tuple[int, int]]:
