@@ -221,8 +221,16 @@ class Trainer:
                  catalog: GroupCatalog | None = None) -> None:
         self.cfg = cfg
         self.device = resolve_device(cfg)
-        self.reader = reader or PlanReader(cfg.plan)
-        self.source = source or open_token_source(cfg.dataset)
+        # What the trainer opens it closes (close()); what the caller passes stays the caller's.
+        self._owned: list[Any] = []
+        if reader is None:
+            reader = PlanReader(cfg.plan)
+            self._owned.append(reader)
+        if source is None:
+            source = open_token_source(cfg.dataset)
+            self._owned.append(source)
+        self.reader = reader
+        self.source = source
         self.reader.check_dataset(self.source.lengths())
         header = self.reader.header
         self.topology = Topology.from_header(header.parallel, rank=dist.get_rank(),
@@ -305,6 +313,14 @@ class Trainer:
         for h in handles:
             h.wait()
         torch._foreach_div_(grads, global_count)
+
+    def close(self) -> None:
+        """Close the plan and dataset this trainer opened itself."""
+        for obj in self._owned:
+            close = getattr(obj, "close", None)
+            if close is not None:
+                close()
+        self._owned.clear()
 
     def run(self, *, keep_state: bool = False) -> TrainResult:
         """Steps [start, stop); checkpoints as configured; rank 0 logs."""
@@ -406,7 +422,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         created = _init_process_group(cfg.device)
         try:
-            Trainer(cfg, model_config).run()
+            trainer = Trainer(cfg, model_config)
+            try:
+                trainer.run()
+            finally:
+                trainer.close()
         finally:
             if created:
                 dist.destroy_process_group()
