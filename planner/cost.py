@@ -95,7 +95,7 @@ class CostModel:
         if missing:
             raise ValueError(f"{source}: missing cost-model parameters {sorted(missing)}")
         return cls(name=str(d.get("name", source)), description=str(d.get("description", "")),
-                   **{k: float(v) for k, v in params.items() if k in known})  # type: ignore[arg-type]
+                   **{k: float(v) for k, v in params.items() if k in known})
 
 
 def load_cost_model(name_or_path: str = "default") -> CostModel:
@@ -119,7 +119,7 @@ def load_cost_model(name_or_path: str = "default") -> CostModel:
 
 @numba.njit(cache=True)
 def _group_time(c: NDArray[np.float64], k: int, s1: float, s2: float) -> float:
-    t = (c[0] * s1 + c[1] * s2) / k + c[4]
+    t: float = (c[0] * s1 + c[1] * s2) / k + c[4]
     if k > 1:
         t += (k - 1) * (c[2] + c[3] * s1 / k)
     return t
