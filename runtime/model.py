@@ -231,3 +231,18 @@ def model_config_from_args(args: argparse.Namespace) -> GPTConfig:
                      hidden_size=args.hidden_size, num_heads=args.heads,
                      num_query_groups=args.query_groups, ffn_hidden_size=args.ffn_hidden_size,
                      tie_embeddings=not args.untied)
+
+
+def check_token_ids(tokens: Tensor, vocab_size: int, where: Callable[[], str]) -> None:
+    """ValueError when a token id is outside [0, vocab_size) (CPU tensors; ``where`` names the
+    place and is only called on failure, so the check costs a min and a max).
+
+    The embedding would otherwise fail with a bare IndexError (CPU) or a device-side assert.
+    """
+    if tokens.numel() == 0:
+        return
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= vocab_size:
+        bad = high if high >= vocab_size else low
+        raise ValueError(f"{where()}: token id {bad} is outside the model's vocabulary "
+                         f"[0, {vocab_size}); set --vocab-size above the dataset's largest id")

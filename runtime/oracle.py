@@ -10,6 +10,7 @@ before its sample's end, the sample's next token.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime import checkpoint
-from runtime.model import GPTConfig, sequence_attention
+from runtime.model import GPTConfig, check_token_ids, sequence_attention
 from runtime.plan_reader import PlanReader
 from runtime.tokens import TokenSource, open_token_source
 from runtime.train import (
@@ -36,7 +37,7 @@ from runtime.train import (
 )
 
 
-def _sequences_of_step(reader: PlanReader, source: TokenSource, step: int
+def _sequences_of_step(reader: PlanReader, source: TokenSource, step: int, vocab_size: int = 0
                        ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(tokens, labels, loss mask) of every sample segment of ``step``, in plan order.
 
@@ -51,6 +52,9 @@ def _sequences_of_step(reader: PlanReader, source: TokenSource, step: int
             continue
         extra = 1 if off + n < int(lengths[s]) else 0
         read = torch.from_numpy(source.read(s, off, n + extra).astype(np.int64))
+        if vocab_size:
+            where = functools.partial("step {} sample {}".format, step, s)
+            check_token_ids(read, vocab_size, where)
         tokens = read[:n]
         labels = torch.zeros(n, dtype=torch.int64)
         labels[: n + extra - 1] = read[1:]
@@ -81,7 +85,8 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
             t0 = time.perf_counter()
             optimizer.zero_grad(set_to_none=False)
             total, count, tokens = 0.0, 0.0, 0
-            for seq, labels, mask in _sequences_of_step(reader, source, step):
+            for seq, labels, mask in _sequences_of_step(reader, source, step,
+                                                        model_config.vocab_size):
                 seq, labels, mask = seq.to(device), labels.to(device), mask.to(device)
                 with autocast_context(cfg, device):
                     logits = model(seq, torch.arange(len(seq), device=device), sequence_attention)

@@ -35,6 +35,7 @@ tokens, microbatches, seconds, tokens_per_s.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -55,9 +56,15 @@ from runtime.backends import ATTENTIONS, make_backend
 from runtime.batch import to_device
 from runtime.groups import GroupCatalog
 from runtime.loss import per_token_loss
-from runtime.model import GPT, GPTConfig, add_model_arguments, model_config_from_args
+from runtime.model import (
+    GPT,
+    GPTConfig,
+    add_model_arguments,
+    check_token_ids,
+    model_config_from_args,
+)
 from runtime.plan_reader import PlanReader
-from runtime.replay import Replayer
+from runtime.replay import Microbatch, Replayer
 from runtime.tokens import TokenSource, open_token_source
 from runtime.topology import Topology
 
@@ -262,6 +269,11 @@ class Trainer:
                                       expect_meta=checkpoint_meta(model_config, self.reader))
             self.start = resumed.next_step
 
+    def _where(self, step: int, micro: Microbatch) -> str:
+        samples = sorted(set(micro.rows.sample_index.tolist()) - {-1})
+        return (f"{self.cfg.dataset}: step {step} microbatch {micro.rows.microbatch} "
+                f"(samples {samples})")
+
     def step(self, step: int) -> StepLog:
         """Run one optimizer step (collective over the pool); return its log record."""
         t0 = time.perf_counter()
@@ -271,6 +283,9 @@ class Trainer:
         count = torch.zeros((), dtype=torch.float64, device=device)
         microbatches = self.replayer.microbatches(step)
         for micro in microbatches:
+            if micro.inputs.tokens is not None:  # CPU tensor: a cheap check, no device sync
+                check_token_ids(micro.inputs.tokens, self.model_config.vocab_size,
+                                functools.partial(self._where, step, micro))
             mb = to_device(micro.inputs, device)
             assert mb.tokens is not None
             assert mb.labels is not None

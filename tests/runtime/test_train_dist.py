@@ -261,3 +261,13 @@ def test_bad_flags_are_rejected(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "needs --device cuda" in capsys.readouterr().err
     assert main(["--plan", str(tmp_path / "none.arrow"), "--dataset", "d", "--reference"]) == 2
 
+
+
+def test_token_ids_beyond_the_vocabulary_are_a_clear_error(tmp_path: Path) -> None:
+    """The sample data's ids go up to 32000; a 256-token model must say so, not IndexError."""
+    from runtime.model import check_token_ids
+
+    with pytest.raises(ValueError, match=r"step 3 sample 7: token id 300 is outside the model's "
+                       r"vocabulary \[0, 256\)"):
+        check_token_ids(torch.tensor([1, 300, 2]), 256, lambda: "step 3 sample 7")
+    check_token_ids(torch.tensor([0, 255]), 256, lambda: "unused")
