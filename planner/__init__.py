@@ -2,22 +2,39 @@
 
 Public API: ``make_plan`` (lengths + config -> Plan), ``write_plan`` / ``read_plan`` (files),
 ``validate`` (every invariant of the plan format), ``read_lengths`` (datasets), and the frozen
-configs ``ParallelConfig`` / ``PlannerConfig``.
+configs ``ParallelConfig`` / ``PlannerConfig`` / ``SolverConfig``.
+
+The names load lazily (PEP 562): ``import planner.schema`` on every runtime rank must not pay
+for the solver's imports (numba and its kernels), only ``from planner import make_plan`` does.
 """
 
 from __future__ import annotations
 
-from planner.config import ParallelConfig, PlannerConfig
-from planner.cost import CostModel, load_cost_model
-from planner.io import PlanFile, write_plan
-from planner.lengths import LengthTable, read_lengths
-from planner.notebook import PlanView, read_plan
-from planner.plan import Plan, make_plan
-from planner.schema import FORMAT_VERSION, PlanHeader, validate
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "FORMAT_VERSION": "planner.schema",
+    "PlanHeader": "planner.schema",
+    "validate": "planner.schema",
+    "ParallelConfig": "planner.config",
+    "PlannerConfig": "planner.config",
+    "SolverConfig": "planner.config",
+    "CostModel": "planner.cost",
+    "load_cost_model": "planner.cost",
+    "PlanFile": "planner.io",
+    "write_plan": "planner.io",
+    "LengthTable": "planner.lengths",
+    "read_lengths": "planner.lengths",
+    "PlanView": "planner.notebook",
+    "read_plan": "planner.notebook",
+    "Plan": "planner.plan",
+    "make_plan": "planner.plan",
+}
 
 __all__ = [
-    "FORMAT_VERSION",
     "CostModel",
+    "FORMAT_VERSION",
     "LengthTable",
     "ParallelConfig",
     "Plan",
@@ -25,6 +42,7 @@ __all__ = [
     "PlanHeader",
     "PlanView",
     "PlannerConfig",
+    "SolverConfig",
     "load_cost_model",
     "make_plan",
     "read_lengths",
@@ -32,3 +50,20 @@ __all__ = [
     "validate",
     "write_plan",
 ]
+assert sorted(__all__) == sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from planner.config import ParallelConfig, PlannerConfig, SolverConfig
+    from planner.cost import CostModel, load_cost_model
+    from planner.io import PlanFile, write_plan
+    from planner.lengths import LengthTable, read_lengths
+    from planner.notebook import PlanView, read_plan
+    from planner.plan import Plan, make_plan
+    from planner.schema import FORMAT_VERSION, PlanHeader, validate
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'planner' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,8 +1,9 @@
 """GPU paths (skipped without CUDA; ``-m gpu`` selects them): torch's varlen kernel and TE against
 per-sequence attention, and 2-GPU NCCL training through each backend against the CPU oracle.
 
-Needs neither hypothesis nor ortools (the H200 machines have neither): plans are made with
-``effort="fast"``. Run there with ``python3 -m pytest -q -m gpu tests/runtime/test_gpu_paths.py``.
+Needs no ortools (the H200 machines lack it): plans are made with ``effort="fast"``; the
+packed-buffer helper comes from test_model (hypothesis, which the H200 image has). Run there
+with ``python3 -m pytest -q -m gpu tests/runtime/test_gpu_paths.py``.
 """
 
 from __future__ import annotations
@@ -16,15 +17,15 @@ import torch
 
 from planner.config import ParallelConfig, PlannerConfig
 from planner.cost import load_cost_model
-from planner.groups import ZIGZAG, padded_length
+from planner.groups import ZIGZAG
 from planner.io import write_plan
 from planner.lengths import read_lengths
 from planner.plan import make_plan
 from runtime.model import GPT, AttentionFn, GPTConfig, sequence_attention
-from runtime.shard import cu_seqlens_np
 from runtime.torch_attention import TorchCPAttention
 from runtime.train import Trainer, TrainResult
 from tests.dist import run_distributed
+from tests.runtime.test_model import _packed
 from tests.runtime.test_train_dist import (
     MODEL,
     STEPS,
@@ -37,23 +38,6 @@ from tests.runtime.test_train_dist import (
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def _packed(lengths: list[int], pad_to: int, vocab: int = 97
-            ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Random sequences, their zigzag-padded packed buffer, positions and cu_seqlens (CPU)."""
-    gen = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(1, vocab, (n,), generator=gen) for n in lengths]
-    padded = [padded_length(n, pad_to, 1, ZIGZAG) for n in lengths]
-    tokens = torch.zeros(sum(padded), dtype=torch.long)
-    positions = torch.zeros_like(tokens)
-    start = 0
-    for s, p in zip(seqs, padded, strict=True):
-        tokens[start:start + len(s)] = s
-        positions[start:start + len(s)] = torch.arange(len(s))
-        start += p
-    return (seqs, tokens, positions, torch.from_numpy(cu_seqlens_np(lengths)),
-            torch.from_numpy(cu_seqlens_np(padded)))
 
 
 def _cuda_packed_vs_alone(bind: Callable[[torch.Tensor, torch.Tensor], AttentionFn]) -> None:
