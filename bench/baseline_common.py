@@ -1,7 +1,8 @@
 """What the baselines share: the same global batches as ours, row assembly and the plan header.
 
 Fairness rule: a baseline schedules exactly the global batches that ``planner.plan.make_plan``
-draws (``planner.batches.draw_global_batches`` over the same eligible samples, seed and epochs),
+draws (``planner.solver.batches.draw_global_batches`` over the same eligible samples, seed and
+epochs),
 so step i of a baseline and step i of our plan hold the same samples and per-step times compare
 like for like. A baseline only decides, per step, the microbatches, the groups and the padding.
 
@@ -21,10 +22,16 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from planner.batches import draw_global_batches
 from planner.config import PlannerConfig
 from planner.plan import Plan, apply_long_policy
-from planner.schema import COLUMN_NAMES, DatasetInfo, ParallelInfo, PlanHeader, fingerprint_lengths
+from planner.planfile.schema import (
+    COLUMN_NAMES,
+    DatasetInfo,
+    ParallelInfo,
+    PlanHeader,
+    fingerprint_lengths,
+)
+from planner.solver.batches import draw_global_batches
 
 
 @dataclass(slots=True)

@@ -5,7 +5,8 @@
 - ``megatron_plan``: Megatron's ``default_dynamic_cp`` greedy (bench/baseline_megatron.py).
 
 Both schedule the global batches ``planner.plan.make_plan`` draws (bench/baseline_common.py) and
-return a ``BaselineRun``: a ``planner.plan.Plan`` that passes ``planner.schema.validate`` and the
+return a ``BaselineRun``: a ``planner.plan.Plan`` that passes
+``planner.planfile.validate.validate`` and the
 seconds the scheduler took.
 """
 

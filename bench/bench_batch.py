@@ -1,4 +1,4 @@
-"""Host time to build one rank's microbatches from a plan (runtime.batch), per token source.
+"""Host time to build one rank's microbatches from a plan (runtime.data.batch), per token source.
 
 For each step size S (sequences per step) the benchmark draws S lengths from the FlexSP Wikipedia
 length file, plans them as one step with ``planner.plan.make_plan`` (pool of dp x cp ranks,
@@ -30,13 +30,13 @@ import pyarrow.parquet as pq
 
 from planner.config import ParallelConfig, PlannerConfig
 from planner.cost import load_cost_model
-from planner.formats import write_megatron_dataset
-from planner.io import write_plan
-from planner.lengths import LengthTable
 from planner.plan import make_plan
-from runtime.batch import build_microbatch
-from runtime.plan_reader import PlanReader
-from runtime.tokens import ArrayTokens, TokenSource, open_token_source
+from planner.planfile.io import write_plan
+from planner.sources.formats import write_megatron_dataset
+from planner.sources.lengths import LengthTable
+from runtime.data.batch import build_microbatch
+from runtime.data.plan_reader import PlanReader
+from runtime.data.tokens import ArrayTokens, TokenSource, open_token_source
 
 LENGTHS_FILE = (Path(__file__).resolve().parents[2] / "shared" / "workloads"
                 / "flexsp_wikipedia_lengths.txt")

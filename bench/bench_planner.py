@@ -22,10 +22,10 @@ import numpy as np
 
 from planner.config import ParallelConfig, PlannerConfig
 from planner.cost import load_cost_model
-from planner.io import PlanFile, write_plan
-from planner.lengths import LengthTable
 from planner.plan import make_plan
-from planner.schema import validate
+from planner.planfile.io import PlanFile, write_plan
+from planner.planfile.validate import validate
+from planner.sources.lengths import LengthTable
 
 DEFAULT_LENGTHS = (Path(__file__).resolve().parents[2] / "shared" / "workloads"
                    / "flexsp_wikipedia_lengths.txt")

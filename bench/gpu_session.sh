@@ -19,7 +19,7 @@ steps=${STEPS:-10}
 workloads=${WORKLOADS:-wikipedia all-long}
 attentions=${ATTENTIONS:-te,torch}
 timeout 200 python3 -m pytest -q -rs -m gpu -p no:cacheprovider --timeout 120 \
-  tests/runtime/test_te_gpu.py tests/runtime/test_gpu_paths.py tests/runtime/test_shard.py \
+  tests/runtime/attention/test_te_gpu.py tests/runtime/train/test_gpu_paths.py tests/runtime/data/test_shard.py \
   > "$work/gpu_tests.txt" 2>&1
 echo "gpu tests rc=$?"
 for w in $workloads; do

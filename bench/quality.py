@@ -7,7 +7,7 @@ every step with ``planner.cost.simulate_step`` under the same cost model and pri
 
 - T/LB: simulated time over ``step_lower_bound`` (the same bound for every method): over the
   run (sum/sum), and the mean and p95 of the per-step ratios; T/LB*: over the run, against
-  planner.bounds' tighter (malleable) bound at the same microbatch counts;
+  planner.solver.bounds' tighter (malleable) bound at the same microbatch counts;
 - ours x: the method's total simulated time over ours (> 1: ours is faster);
 - pad%: padded over real tokens of the placed samples, minus 1; fill%: real tokens over the
   N x C x microbatches token slots; mb/step: microbatches per step; imb: mean over microbatches
@@ -51,8 +51,8 @@ from bench.baselines import (
 from bench.workloads import NAMES, SPECS, make_workload
 from planner.config import ParallelConfig, PlannerConfig, SolverConfig
 from planner.cost import CostModel, load_cost_model, simulate_step, step_lower_bound
-from planner.greedy import PackingParams, make_problem
 from planner.groups import ZIGZAG, pad_multiple, valid_cp_sizes
+from planner.solver.greedy import PackingParams, make_problem
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -82,7 +82,7 @@ def _batch_spec(text: str, pool: int, capacity: int) -> tuple[int, int]:
 
 
 def _table(lengths: NDArray[np.int64], name: str) -> Any:
-    from planner.lengths import LengthTable
+    from planner.sources.lengths import LengthTable
 
     # "text": the in-memory equivalent of a .txt file with one length per line.
     return LengthTable(path=f"bench:{name}", format="text", lengths=lengths,
@@ -231,7 +231,7 @@ def _cells(s: Score, ours: Score) -> str:
 
 def _warm_up() -> None:
     """Compile our planner's numba kernels (and import OR-Tools) once, so no row pays for it."""
-    import planner.cpsat  # noqa: F401
+    import planner.solver.cpsat  # noqa: F401
     from planner.plan import make_plan
 
     config = PlannerConfig(parallel=ParallelConfig(dp=2, cp=4), capacity_tokens_per_rank=4096,

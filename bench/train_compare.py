@@ -110,7 +110,7 @@ def prepare(args: argparse.Namespace) -> int:
 
 
 def _te_importable() -> bool:
-    probe = ("import sys\nfrom runtime.te_adapter import te_available\n"
+    probe = ("import sys\nfrom runtime.attention.te import te_available\n"
              "sys.exit(0 if te_available() else 1)")
     return subprocess.run([sys.executable, "-c", probe], cwd=ROOT,
                           capture_output=True).returncode == 0

@@ -4,8 +4,9 @@ Public API: ``make_plan`` (lengths + config -> Plan), ``write_plan`` / ``read_pl
 ``validate`` (every invariant of the plan format), ``read_lengths`` (datasets), and the frozen
 configs ``ParallelConfig`` / ``PlannerConfig`` / ``SolverConfig``.
 
-The names load lazily (PEP 562): ``import planner.schema`` on every runtime rank must not pay
-for the solver's imports (numba and its kernels), only ``from planner import make_plan`` does.
+The names load lazily (PEP 562): ``import planner.planfile.schema`` on every runtime rank must
+not pay for the solver's imports (numba and its kernels); only ``from planner import make_plan``
+does.
 """
 
 from __future__ import annotations
@@ -14,20 +15,20 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "FORMAT_VERSION": "planner.schema",
-    "PlanHeader": "planner.schema",
-    "validate": "planner.schema",
+    "FORMAT_VERSION": "planner.planfile.schema",
+    "PlanHeader": "planner.planfile.schema",
+    "validate": "planner.planfile.validate",
     "ParallelConfig": "planner.config",
     "PlannerConfig": "planner.config",
     "SolverConfig": "planner.config",
     "CostModel": "planner.cost",
     "load_cost_model": "planner.cost",
-    "PlanFile": "planner.io",
-    "write_plan": "planner.io",
-    "LengthTable": "planner.lengths",
-    "read_lengths": "planner.lengths",
-    "PlanView": "planner.notebook",
-    "read_plan": "planner.notebook",
+    "PlanFile": "planner.planfile.io",
+    "write_plan": "planner.planfile.io",
+    "LengthTable": "planner.sources.lengths",
+    "read_lengths": "planner.sources.lengths",
+    "PlanView": "planner.notebook.view",
+    "read_plan": "planner.notebook.view",
     "Plan": "planner.plan",
     "make_plan": "planner.plan",
 }
@@ -55,11 +56,12 @@ assert sorted(__all__) == sorted(_EXPORTS)
 if TYPE_CHECKING:
     from planner.config import ParallelConfig, PlannerConfig, SolverConfig
     from planner.cost import CostModel, load_cost_model
-    from planner.io import PlanFile, write_plan
-    from planner.lengths import LengthTable, read_lengths
-    from planner.notebook import PlanView, read_plan
+    from planner.notebook.view import PlanView, read_plan
     from planner.plan import Plan, make_plan
-    from planner.schema import FORMAT_VERSION, PlanHeader, validate
+    from planner.planfile.io import PlanFile, write_plan
+    from planner.planfile.schema import FORMAT_VERSION, PlanHeader
+    from planner.planfile.validate import validate
+    from planner.sources.lengths import LengthTable, read_lengths
 
 
 def __getattr__(name: str) -> Any:

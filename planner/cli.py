@@ -24,7 +24,7 @@ from planner.config import (
     SolverConfig,
 )
 from planner.groups import LAYOUTS
-from planner.schema import PlanHeader
+from planner.planfile.schema import PlanHeader
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -116,9 +116,9 @@ def _fmt_rate(n: int, seconds: float) -> str:
 def cmd_plan(argv: list[str]) -> int:
     args = _plan_parser().parse_args(argv)
     from planner.cost import load_cost_model
-    from planner.io import write_plan
-    from planner.lengths import read_lengths
     from planner.plan import make_plan
+    from planner.planfile.io import write_plan
+    from planner.sources.lengths import read_lengths
 
     t0 = time.perf_counter()
     parallel = ParallelConfig(dp=args.dp, cp=args.cp, tp=args.tp, pp=args.pp, vpp=args.vpp,
@@ -196,13 +196,13 @@ def cmd_validate(argv: list[str]) -> int:
                    help="read the dataset as the plan was made with --skip-bad-records")
     p.add_argument("--field", help="record field, as given to dcp-plan")
     args = p.parse_args(argv)
-    from planner.io import PlanFile
-    from planner.schema import validate
+    from planner.planfile.io import PlanFile
+    from planner.planfile.validate import validate
 
     with PlanFile(args.plan) as f:
         lengths = None
         if args.dataset:
-            from planner.lengths import read_lengths
+            from planner.sources.lengths import read_lengths
 
             lengths = read_lengths(args.dataset, skip_bad_records=args.skip_bad_records,
                                    field=args.field).lengths
@@ -219,7 +219,7 @@ def cmd_show(argv: list[str]) -> int:
     p.add_argument("--steps", default="", help="A:B range of steps (default: all, max 50 shown)")
     p.add_argument("--step", type=int, help="print every row of this one step")
     args = p.parse_args(argv)
-    from planner.notebook import read_plan, step_summary_row
+    from planner.notebook.view import read_plan, step_summary_row
 
     view = read_plan(args.plan)
     h = view.header

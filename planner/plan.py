@@ -26,14 +26,10 @@ import numpy as np
 import pyarrow as pa
 from numpy.typing import NDArray
 
-from planner.batches import draw_global_batches
 from planner.config import PlannerConfig
 from planner.cost import CostModel
-from planner.greedy import PackingParams
 from planner.groups import MAX_SEGMENT_TOKENS, pad_multiple
-from planner.parallel import StepJobs, plan_steps
-from planner.plan_stats import min_padded, plan_stats
-from planner.schema import (
+from planner.planfile.schema import (
     COLUMN_NAMES,
     DatasetInfo,
     ParallelInfo,
@@ -42,9 +38,13 @@ from planner.schema import (
     fingerprint_lengths,
     step_batch,
 )
+from planner.planfile.stats import min_padded, plan_stats
+from planner.solver.batches import draw_global_batches
+from planner.solver.greedy import PackingParams
+from planner.solver.parallel import StepJobs, plan_steps
 
 if TYPE_CHECKING:
-    from planner.lengths import LengthTable
+    from planner.sources.lengths import LengthTable
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,7 +55,7 @@ class Plan:
     steps: list[dict[str, NDArray[Any]]]
 
     def record_batches(self) -> Iterator[pa.RecordBatch]:
-        """Step i's record batch, for i in order (what io.write_plan and schema.validate take)."""
+        """Step i's record batch, for i in order (what io.write_plan and planfile.validate take)."""
         schema = arrow_schema(self.header)
         for cols in self.steps:
             yield step_batch(schema, cols)
@@ -141,7 +141,7 @@ def _segments(order: NDArray[np.int64], policy: LongPolicyResult) -> tuple[
 
 def make_plan(table: LengthTable, config: PlannerConfig, cost: CostModel, *,
               progress: Callable[[int, int], None] | None = None) -> Plan:
-    """Plan every epoch of ``table`` under ``config``; each plan passes ``schema.validate``.
+    """Plan every epoch of ``table`` under ``config``; each plan passes ``planfile.validate``.
 
     Args:
         table: sample lengths in file order (0 for skipped bad records, listed in ``skipped``).

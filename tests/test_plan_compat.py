@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from planner import read_plan
-from planner.io import PlanFile
-from planner.lengths import read_lengths
-from planner.schema import validate
+from planner.planfile.io import PlanFile
+from planner.planfile.validate import validate
+from planner.sources.lengths import read_lengths
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = sorted((ROOT / "plans" / "golden").glob("*.arrow"))

@@ -21,13 +21,13 @@ from bench.baselines import (
     static_step,
 )
 from bench.workloads import NAMES, make_workload
-from planner.batches import draw_global_batches
 from planner.config import ParallelConfig, PlannerConfig
 from planner.cost import load_cost_model, simulate_step
 from planner.groups import valid_cp_sizes
-from planner.lengths import LengthTable
 from planner.plan import make_plan
-from planner.schema import validate
+from planner.planfile.validate import validate
+from planner.solver.batches import draw_global_batches
+from planner.sources.lengths import LengthTable
 
 POOLS = (1, 2, 4, 6, 8, 12, 16)
 

@@ -1,6 +1,6 @@
 """Tests for planner.plan.make_plan (and the greedy kernel behind it).
 
-Every plan is checked by ``check_plan``: schema.validate with the lengths (partition, alignment,
+Every plan is checked by ``check_plan``: planfile.validate with the lengths (partition, alignment,
 capacity, padding, coverage, microbatch multiple), each sample segment exactly once per epoch,
 and each step holding exactly the global batch drawn for it.
 """
@@ -17,15 +17,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numpy.typing import NDArray
 
-from planner.batches import draw_global_batches
 from planner.config import ParallelConfig, PlannerConfig
 from planner.cost import CostModel, load_cost_model, simulate_step
-from planner.greedy import PackingParams, assign_step
 from planner.groups import LAYOUTS, pad_multiple, valid_cp_sizes
-from planner.io import write_plan
-from planner.lengths import LengthTable
 from planner.plan import Plan, apply_long_policy, make_plan
-from planner.schema import COLUMN_NAMES, validate
+from planner.planfile.io import write_plan
+from planner.planfile.schema import COLUMN_NAMES
+from planner.planfile.validate import validate
+from planner.solver.batches import draw_global_batches
+from planner.solver.greedy import PackingParams, assign_step
+from planner.sources.lengths import LengthTable
 
 COST = load_cost_model()
 

@@ -14,8 +14,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from planner.groups import padded_length, valid_cp_sizes
-from planner.io import write_plan
-from planner.schema import (
+from planner.planfile.io import write_plan
+from planner.planfile.schema import (
     COLUMN_NAMES,
     DatasetInfo,
     ParallelInfo,
@@ -26,7 +26,7 @@ from planner.schema import (
 )
 
 if TYPE_CHECKING:
-    from runtime.plan_reader import GroupRows
+    from runtime.data.plan_reader import GroupRows
 
 Row = tuple[int, int, int, int, int, int, int]  # microbatch, start, k, sample, offset, ntok, padded
 
@@ -123,7 +123,7 @@ def random_plan(path: Path, lengths: NDArray[np.int64], *, dp: int, cp: int, tp:
 
 
 def reference_group(g: GroupRows, seqs: list[np.ndarray]) -> dict[str, list[int]]:
-    """The full packed buffer of a group, token by token (independent of runtime.batch)."""
+    """The full packed buffer of a group, token by token (independent of runtime.data.batch)."""
     out: dict[str, list[int]] = dict(tokens=[], position_ids=[], labels=[], loss_mask=[])
     for s, off, n, p in zip(g.sample_index, g.token_offset, g.num_tokens, g.padded_tokens,
                             strict=True):

@@ -1,0 +1,141 @@
+"""Reading plans in notebooks: ``read_plan(path)`` -> PlanView.
+
+A PlanView wraps the memory-mapped file: the parsed header, the whole pyarrow table on demand,
+O(1) access to one step, a per-step summary table, conversions to pandas / polars (when
+installed) and plots (matplotlib, optional). Example::
+
+    from planner import read_plan
+    plan = read_plan("plans/sample.arrow")
+    plan.header.stats["slot_fill"]
+    plan.summary().to_pandas()            # one row per step
+    plan.step(3).to_pandas()              # that step's rows
+    plan.plot_step_load(3); plan.plot_cp_mix()
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from planner.cost import CostModel, simulate_step, step_lower_bound
+from planner.planfile.io import PlanFile
+from planner.planfile.schema import COLUMN_NAMES, PlanHeader, column_numpy
+from planner.planfile.stats import min_num_microbatches
+
+
+def read_plan(path: str | os.PathLike[str]) -> PlanView:
+    """Open a plan file for reading (memory-mapped)."""
+    return PlanView(path)
+
+
+def _cols(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
+    return {n: column_numpy(batch, n) for n in COLUMN_NAMES}
+
+
+def step_summary_row(header: PlanHeader, cost: CostModel, step: int,
+                     cols: dict[str, np.ndarray]) -> dict[str, Any]:
+    """One step's summary: microbatches, groups per size, tokens, fill, simulated time, bound."""
+    n = header.parallel.pool_size
+    cap = header.capacity_tokens_per_rank
+    mb, start, k = cols["microbatch"], cols["rank_start"], cols["cp_size"]
+    sample, ntok, padded = cols["sample_index"], cols["num_tokens"], cols["padded_tokens"]
+    num_mb = int(mb.max()) + 1 if len(mb) else 0
+    group_first = np.r_[True, (np.diff(mb) != 0) | (np.diff(start) != 0)] if len(mb) else mb
+    real = int(ntok.sum())
+    seg = ntok[sample >= 0].astype(np.int64)
+    tp_eff = header.parallel.tp_eff
+    row: dict[str, Any] = {
+        "step": step,
+        "microbatches": num_mb,
+        "groups": int(group_first.sum()),
+        "samples": int(np.unique(sample[sample >= 0]).size),
+        "real_tokens": real,
+        "padded_tokens": int(padded[sample >= 0].sum()),
+        "slot_fill": real / (n * cap * num_mb) if num_mb else 0.0,
+        "simulated_s": simulate_step(cost, n, mb, start, k, padded),
+        "lower_bound_s": step_lower_bound(
+            cost, n, seg, header.cp_sizes, cap, tp_eff, header.layout,
+            min_num_microbatches(seg, header.cp_sizes, cap, tp_eff, header.layout, n,
+                                 header.parallel.microbatch_multiple)),
+    }
+    for size in header.cp_sizes:
+        row[f"groups_cp{size}"] = int((group_first & (k == size)).sum())
+    return row
+
+
+class PlanView:
+    """A plan opened for inspection. See the module docstring for an example."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self._file = PlanFile(path)
+        self.path = self._file.path
+        self.header: PlanHeader = self._file.header
+        self._table: pa.Table | None = None
+        self._summary: pa.Table | None = None
+
+    @property
+    def num_steps(self) -> int:
+        return self._file.num_steps
+
+    def __len__(self) -> int:
+        return self.num_steps
+
+    @property
+    def cost_model(self) -> CostModel:
+        cm = self.header.cost_model
+        return CostModel.from_dict({"name": cm.get("name", "plan"),
+                                    "parameters": cm.get("parameters", {})})
+
+    @property
+    def table(self) -> pa.Table:
+        """Every row of every step as one pyarrow Table."""
+        if self._table is None:
+            self._table = self._file.table()
+        return self._table
+
+    def step(self, i: int) -> pa.Table:
+        """Step ``i``'s rows (O(1): one record batch of the memory-mapped file)."""
+        return pa.Table.from_batches([self._file.step(i)])
+
+    def step_columns(self, i: int) -> dict[str, np.ndarray]:
+        """Step ``i``'s columns as numpy arrays (zero-copy where Arrow allows)."""
+        return _cols(self._file.step(i))
+
+    def summary(self) -> pa.Table:
+        """One row per step: microbatches, groups per size, tokens, fill, simulated time, bound."""
+        if self._summary is None:
+            cost = self.cost_model
+            rows = [step_summary_row(self.header, cost, i, self.step_columns(i))
+                    for i in range(self.num_steps)]
+            self._summary = pa.Table.from_pylist(rows)
+        return self._summary
+
+    def to_pandas(self) -> Any:
+        """All rows as a pandas DataFrame (needs pandas)."""
+        return self.table.to_pandas()
+
+    def to_polars(self) -> Any:
+        """All rows as a polars DataFrame (needs polars)."""
+        try:
+            import polars as pl
+        except ImportError as e:
+            raise ImportError("to_polars() needs polars: pip install polars") from e
+        return pl.from_arrow(self.table)
+
+    def plot_step_load(self, i: int, ax: Any = None) -> Any:
+        """Bar chart of one step's per-rank simulated busy time, stacked by microbatch."""
+        from planner.notebook.plot import plot_step_load
+
+        return plot_step_load(self.header, self.cost_model, i, self.step_columns(i), ax=ax)
+
+    def plot_cp_mix(self, ax: Any = None) -> Any:
+        """Stacked bars of the number of groups of each CP size per step."""
+        from planner.notebook.plot import plot_cp_mix
+
+        return plot_cp_mix(self.header, self.summary(), ax=ax)
+
+    def close(self) -> None:
+        self._file.close()

@@ -1,0 +1,177 @@
+"""The plan file's contract (docs/PLAN_FORMAT.md, format version 1): columns, Arrow schema, header.
+
+Every invariant of the contract is checked by ``planner.planfile.validate.validate``.
+
+Header: schema metadata key ``dcp.plan`` holding a UTF-8 JSON object (keys sorted, so the bytes are
+deterministic). Readers reject a format version they do not know, naming both versions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+from numpy.typing import NDArray
+
+FORMAT_VERSION = 1
+HEADER_KEY = b"dcp.plan"
+CREATOR = "dcp-planner"
+CREATOR_VERSION = "0.1.0"
+
+COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
+    ("step", pa.int32()),
+    ("microbatch", pa.int32()),
+    ("rank_start", pa.int32()),
+    ("cp_size", pa.int32()),
+    ("sample_index", pa.int64()),
+    ("token_offset", pa.int64()),
+    ("num_tokens", pa.int32()),
+    ("padded_tokens", pa.int32()),
+)
+COLUMN_NAMES = tuple(name for name, _ in COLUMNS)
+NUMPY_DTYPES = {name: np.dtype(t.to_pandas_dtype()) for name, t in COLUMNS}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DatasetInfo:
+    """Which dataset a plan was made for; the fingerprint hashes its lengths in file order."""
+
+    path: str
+    num_samples: int
+    num_tokens: int
+    fingerprint: str
+    format: str = ""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelInfo:
+    """The parallel layout a plan was made for; the runtime checks the live job against it."""
+
+    dp: int
+    cp: int
+    tp: int
+    pp: int
+    vpp: int
+    sequence_parallel: bool
+    pool_size: int
+    microbatch_group_size: int
+
+    @property
+    def tp_eff(self) -> int:
+        return self.tp if self.sequence_parallel else 1
+
+    @property
+    def microbatch_multiple(self) -> int:
+        return self.microbatch_group_size if self.vpp > 1 else 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanHeader:
+    """The ``dcp.plan`` header. ``stats`` holds derived numbers and the long-sequence policy log."""
+
+    dataset: DatasetInfo
+    parallel: ParallelInfo
+    capacity_tokens_per_rank: int
+    cp_sizes: tuple[int, ...]
+    layout: str
+    global_batch: dict[str, Any]
+    seed: int
+    cost_model: dict[str, Any]
+    stats: dict[str, Any]
+    epochs: tuple[tuple[int, int], ...] = ()
+    """Per epoch (first_step, num_steps); steps of different epochs never share a sample."""
+    solver: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+    creator: dict[str, str] = field(
+        default_factory=lambda: {"name": CREATOR, "version": CREATOR_VERSION}
+    )
+
+    @property
+    def num_steps(self) -> int:
+        return sum(n for _, n in self.epochs)
+
+    def to_json(self) -> str:
+        """Deterministic JSON (sorted keys, no whitespace variation)."""
+        d = asdict(self)
+        d["cp_sizes"] = list(self.cp_sizes)
+        d["epochs"] = [list(e) for e in self.epochs]
+        return json.dumps(d, sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, source: str = "plan") -> PlanHeader:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{source}: header is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{source}: header is not a JSON object")
+        version = d.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ValueError(
+                f"{source}: plan format version {version!r} is not supported "
+                f"(this dcp-planner reads version {FORMAT_VERSION})"
+            )
+        try:
+            return cls(
+                dataset=DatasetInfo(**d["dataset"]),
+                parallel=ParallelInfo(**d["parallel"]),
+                capacity_tokens_per_rank=int(d["capacity_tokens_per_rank"]),
+                cp_sizes=tuple(int(k) for k in d["cp_sizes"]),
+                layout=str(d["layout"]),
+                global_batch=dict(d["global_batch"]),
+                seed=int(d["seed"]),
+                cost_model=dict(d["cost_model"]),
+                stats=dict(d["stats"]),
+                epochs=tuple((int(a), int(b)) for a, b in d.get("epochs", [])),
+                solver=dict(d.get("solver", {})),
+                format_version=int(version),
+                creator=dict(d.get("creator", {})),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{source}: header is missing or has a malformed field: {e}") from None
+
+
+def arrow_schema(header: PlanHeader) -> pa.Schema:
+    """The plan's Arrow schema with the header attached as metadata."""
+    return pa.schema(
+        [pa.field(n, t, nullable=False) for n, t in COLUMNS],
+        metadata={HEADER_KEY: header.to_json().encode()},
+    )
+
+
+def fingerprint_lengths(lengths: NDArray[np.integer]) -> str:
+    """Dataset fingerprint: sha256 of the sample lengths in file order (int64 little-endian)."""
+    h = hashlib.sha256(b"dcp-lengths-v1\0")
+    h.update(np.ascontiguousarray(lengths, dtype="<i8").tobytes())
+    return "sha256:" + h.hexdigest()
+
+
+def step_batch(schema: pa.Schema, columns: dict[str, NDArray[Any]]) -> pa.RecordBatch:
+    """One step's rows as a record batch with exactly the schema's column types."""
+    # Build from buffers: pa.array(numpy) goes through pandas' type inference on first use,
+    # which costs ~1 s of imports; the columns are plain fixed-width integers.
+    arrays = []
+    for name, typ in COLUMNS:
+        a = np.ascontiguousarray(columns[name], dtype=NUMPY_DTYPES[name])
+        arrays.append(pa.Array.from_buffers(typ, len(a), [None, pa.py_buffer(a)]))
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def column_numpy(batch: pa.RecordBatch, name: str) -> NDArray[Any]:
+    """A fixed-width, null-free column of ``batch`` as a zero-copy numpy view.
+
+    ``Array.to_numpy`` would do the same but imports pandas on first use (~1-3 s); plan columns
+    are plain integers, so a view of the data buffer is exact.
+    """
+    col = batch.column(name)
+    if col.null_count:
+        raise ValueError(f"plan column {name!r} holds nulls")
+    dtype = NUMPY_DTYPES.get(name) or np.dtype(col.type.to_pandas_dtype())
+    data = col.buffers()[1]
+    if data is None:
+        return np.zeros(0, dtype=dtype)
+    return np.frombuffer(data, dtype=dtype, count=len(col) + col.offset)[col.offset:]

@@ -1,0 +1,204 @@
+"""A step's problem for the solver: parameters, per-segment tables and bound, kernel passes.
+
+``PackingParams`` holds what the solver needs from the config and the cost model, including the
+effort's search settings (which targets, how many extra microbatch counts, the CP-SAT budget)
+and a per-step budget of kernel work, so that refinement stays bounded on huge steps.
+``StepProblem`` is one step: its segments' tables (items.py), its malleable bound (bounds.py)
+and ``run``, one pass of the placement kernel (place.py) returning a ``Placement``. The search
+over passes lives in greedy.py; CP-SAT in cpsat.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from planner.config import PlannerConfig
+from planner.cost import CostModel
+from planner.groups import pad_multiple
+from planner.solver.bounds import malleable_bound
+from planner.solver.items import ItemTables, item_tables
+from planner.solver.place import BALANCE, PACK, place
+
+SOLVER_NAME = "greedy-lpt"
+SOLVER_VERSION = 2
+
+# Targets tried by refinement, as the bound times (1 + delta); max adds plain LPT (T = inf).
+DELTAS = {"balanced": (0.01, 0.03, 0.06, 0.1, 0.16, 0.25),
+          "max": (0.005, 0.01, 0.02, 0.03, 0.045, 0.06, 0.08, 0.1, 0.13, 0.16, 0.2, 0.25, 0.35,
+                  0.5, np.inf)}
+# Larger microbatch counts tried: M + multiple x 2^j for j below this.
+EXTRA_MICROBATCHES = {"fast": 2, "balanced": 4, "max": 6}
+CPSAT_SECONDS = {"fast": 0.0, "balanced": 0.05, "max": 0.5}
+CPSAT_ITEMS = {"fast": 0, "balanced": 8, "max": 16}
+# Optional kernel passes per step stop once segments x blocks summed over passes exceed this
+# (about 0.1 s (balanced) and 0.4 s (max) of kernel time on this 2-core machine): a
+# deterministic cap for huge steps (N = 64 and 20,000 segments reach it).
+PASS_BUDGET = {"fast": 0, "balanced": 1.5e8, "max": 6e8}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PackingParams:
+    """What the step solver needs from the config and the cost model."""
+
+    pool_size: int
+    capacity: int
+    sizes: NDArray[np.int64]
+    """Allowed group sizes, ascending."""
+    multiples: NDArray[np.int64]
+    """Padding multiple at each size (groups.pad_multiple)."""
+    cost: NDArray[np.float64]
+    """CostModel.as_array()."""
+    microbatch_multiple: int
+    """Every step's microbatch count is a multiple of this."""
+    effort: str = "balanced"
+    """fast, balanced or max (greedy.py's module docstring says what each does)."""
+    microbatch_tolerance: float = 0.01
+    """SolverConfig.microbatch_tolerance."""
+    refine_gap: float = 0.02
+    """SolverConfig.refine_gap."""
+    cpsat_seconds: float = 0.05
+    """CP-SAT deterministic time per refined step (0: no CP-SAT)."""
+    cpsat_items: int = 8
+    """Heaviest segments in the CP-SAT model."""
+    seed: int = 0
+    """CP-SAT random seed."""
+    deltas: tuple[float, ...] = ()
+    """Refinement targets, as the bound times (1 + delta)."""
+
+    @classmethod
+    def from_config(cls, config: PlannerConfig, cost: CostModel) -> PackingParams:
+        p = config.parallel
+        s = config.solver
+        sizes = np.asarray(config.sizes, dtype=np.int64)
+        mults = np.array([pad_multiple(int(k), p.tp_eff, config.layout) for k in sizes], np.int64)
+        cpsat = s.cpsat_seconds if s.cpsat_seconds >= 0 else CPSAT_SECONDS[config.effort]
+        return cls(pool_size=p.pool_size, capacity=config.capacity_tokens_per_rank, sizes=sizes,
+                   multiples=mults, cost=cost.as_array(),
+                   microbatch_multiple=p.microbatch_multiple, effort=config.effort,
+                   microbatch_tolerance=s.microbatch_tolerance, refine_gap=s.refine_gap,
+                   cpsat_seconds=cpsat, cpsat_items=CPSAT_ITEMS[config.effort], seed=s.seed,
+                   deltas=DELTAS.get(config.effort, ()))
+
+    def header(self) -> dict[str, Any]:
+        """The solver settings for the plan header (everything that can change a plan)."""
+        return {"name": SOLVER_NAME, "version": SOLVER_VERSION, "effort": self.effort,
+                "microbatch_tolerance": self.microbatch_tolerance,
+                "refine_gap": self.refine_gap,
+                "extra_microbatches": EXTRA_MICROBATCHES[self.effort],
+                "targets": [d if np.isfinite(d) else "inf" for d in self.deltas],
+                "cpsat": {"max_deterministic_time": self.cpsat_seconds,
+                          "heavy_items": self.cpsat_items, "random_seed": self.seed,
+                          "num_workers": 1, "ortools": _ortools_version()}
+                if self.cpsat_seconds > 0 else None}
+
+
+def _ortools_version() -> str:
+    """The installed OR-Tools version (CP-SAT answers may differ between versions)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ortools")
+    except PackageNotFoundError:
+        return "missing"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Placement:
+    """One kernel pass that placed every segment."""
+
+    num_mb: int
+    seconds: float
+    padded: int
+    """Sum of the segments' padded tokens (the third objective)."""
+    num_groups: int
+    item_level: NDArray[np.int64]
+    item_group: NDArray[np.int64]
+    g_level: NDArray[np.int64]
+    g_block: NDArray[np.int64]
+
+    def better_than(self, other: Placement | None) -> bool:
+        """Same M: faster (beyond rounding), or as fast with less padding."""
+        if other is None:
+            return True
+        if self.seconds < other.seconds * (1 - 1e-12):
+            return True
+        return self.seconds <= other.seconds * (1 + 1e-12) and self.padded < other.padded
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepProblem:
+    """A step's segments, their tables and bound, and the solver parameters."""
+
+    tables: ItemTables
+    params: PackingParams
+    core_bound: float
+    """bounds.malleable_bound: the step's bound without microbatch fixed costs."""
+    spent: list[float]
+    """Segments x blocks of the kernel passes run so far (one mutable cell)."""
+
+    def exhausted(self) -> bool:
+        """Whether optional passes (refinement, extra microbatches) are out of budget."""
+        return self.spent[0] > PASS_BUDGET[self.params.effort]
+
+    @property
+    def fixed_per_microbatch(self) -> float:
+        """What each microbatch costs every rank at least (a k0 group's fixed time)."""
+        c = self.params.cost
+        return float(c[4] + (self.params.sizes[0] - 1) * c[2])
+
+    def bound(self, num_mb: int) -> float:
+        """The step's malleable lower bound with ``num_mb`` microbatches."""
+        return self.core_bound + num_mb * self.fixed_per_microbatch
+
+    def run(self, num_mb: int, target: float, mode: int = BALANCE,
+            forced: tuple[NDArray[np.int64], NDArray[np.int64]] | None = None
+            ) -> Placement | None:
+        """One kernel pass; None when some segment fits nowhere with ``num_mb`` microbatches."""
+        t = self.tables
+        n = len(t.order)
+        p = self.params
+        if forced is None:
+            forced = (np.full(n, -1, np.int64), np.full(n, -1, np.int64))
+        item_level = np.empty(n, np.int64)
+        item_group = np.empty(n, np.int64)
+        g_level = np.empty(n, np.int64)
+        g_block = np.empty(n, np.int64)
+        self.spent[0] += n * (2 * p.pool_size // int(p.sizes[0]))
+        num_groups, seconds = place(t.padded, t.fits, t.time, t.min_level, t.order, p.sizes,
+                                    p.capacity, p.pool_size, p.cost, num_mb, target, mode,
+                                    forced[0], forced[1], item_level, item_group, g_level,
+                                    g_block)
+        if num_groups < 0:
+            return None
+        padded = int(t.padded[np.arange(n), item_level].sum())
+        return Placement(num_mb=num_mb, seconds=seconds, padded=padded, num_groups=num_groups,
+                         item_level=item_level, item_group=item_group,
+                         g_level=g_level[:num_groups], g_block=g_block[:num_groups])
+
+    def first_fit(self, num_mb: int) -> Placement | None:
+        """Balance mode at the bound, else pack mode (a tight M may only pack that way)."""
+        target = self.bound(num_mb)
+        return self.run(num_mb, target, BALANCE) or self.run(num_mb, target, PACK)
+
+    def gap(self, best: Placement) -> float:
+        return best.seconds / max(self.bound(best.num_mb), 1e-300) - 1.0
+
+
+def min_microbatches(tables: ItemTables, params: PackingParams) -> int:
+    """ceil(padded tokens at the smallest sizes / (N C)), at least 1, rounded to the multiple."""
+    n = len(tables.order)
+    need = int(tables.padded[np.arange(n), tables.min_level].sum())
+    m = max(1, -(-need // (params.pool_size * params.capacity)))
+    mult = params.microbatch_multiple
+    return -(-m // mult) * mult
+
+
+def make_problem(tokens: NDArray[np.int64], params: PackingParams) -> StepProblem:
+    """Tables and bound of one step's segments."""
+    t = item_tables(tokens, params.sizes, params.multiples, params.capacity, params.cost)
+    core = malleable_bound(t.lone, t.work, t.fits, params.pool_size) if len(tokens) else 0.0
+    return StepProblem(tables=t, params=params, core_bound=float(core), spent=[0.0])

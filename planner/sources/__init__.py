@@ -1,0 +1,12 @@
+"""Datasets in: every supported file format read into a ``LengthTable`` (one length per sample,
+file order), with bad records named by file and line. Nothing here reads tokens for training.
+
+Modules: ``lengths`` (format detection, ``read_lengths``, ``LengthTable``), ``formats`` (Parquet,
+Arrow, Megatron ``.idx``, text), ``jsonl`` and ``jsonl_scan`` (the numba JSONL scanner).
+"""
+
+from __future__ import annotations
+
+from planner.sources.lengths import LengthTable, read_lengths
+
+__all__ = ["LengthTable", "read_lengths"]

@@ -1,0 +1,9 @@
+"""``python -m runtime.calibrate``: the same as ``dcp-calibrate``."""
+
+from __future__ import annotations
+
+import sys
+
+from runtime.calibrate.cli import main
+
+sys.exit(main())

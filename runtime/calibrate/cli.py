@@ -1,0 +1,166 @@
+"""``dcp-calibrate``: measure the planner's cost model on this machine for one model shape.
+
+Writes the JSON that ``dcp-plan --cost-model FILE`` reads (the schema of planner/presets/*.json:
+name, description, parameters) plus a ``measured`` block: the raw timings, the machine, the torch
+version, the model shape, dtype, attention backend and the fit's residuals.
+
+Method. The GPT of runtime/train/model.py with the given shape runs single packed (THD)
+microbatches of
+random token ids (never zeros), forward + per-token loss + backward exactly as ``dcp-train`` does
+(fp32 master weights, bf16 autocast, gradients accumulated, no optimizer step), through the same
+attention backends (``runtime.train.backends.make_backend``). A microbatch's time is measured from
+before
+its attention binding to the end of its backward (CUDA events on GPU, a host clock on CPU), after
+a barrier and with the device idle, so host-side launch and binding costs count as in training.
+Each configuration runs ``--warmup`` times untimed, then ``--repeats`` times; a repeat's time is
+the slowest rank's (all ranks run the same configuration at once) and a sample is the median.
+
+1. CP=1: every rank runs whole buffers of T tokens made of T/L documents of length L, for
+   L = 512, 1K, ... 32K (``--min-length``, ``--max-length``) and T = Tmax, Tmax/4, Tmax/16, plus
+   one mixed buffer per T (a long document and many short ones). Tmax is the largest power of
+   two <= ``--max-tokens`` whose peak memory, extrapolated from two probe runs, fits in
+   ``--memory-fraction`` of the GPU (on CPU: that power of two). t = m + a T + b sum L^2 is
+   fitted by non-negative least squares on relative errors (runtime/calibrate/fit.py):
+   a = linear_s_per_token, b = attention_s_per_token2, m = microbatch_s.
+2. With W >= 2 processes (torchrun, or ``--nproc W`` which spawns them; NCCL on GPU, gloo on
+   CPU): for every valid group size k > 1 of a pool of W (planner.groups), all aligned groups of
+   k ranks run at once, each holding S = k s tokens (s = Tmax/16, Tmax/4, Tmax/2 per rank) of
+   documents of length Lmax/8 or Lmax, in zigzag shards. cp_fixed_s and cp_token_s are fitted on
+   t_k - (a S + b sum L^2)/k - m = (k - 1)(cp_fixed + cp_token S / k). With one process the
+   ring terms are not measured: they are written as 0 with a warning.
+
+Usage (2 GPUs; ``--nproc 2`` without torchrun does the same)::
+
+    torchrun --nproc-per-node 2 -m runtime.calibrate --device cuda --attention te --layers 8 \
+        --hidden-size 2048 --heads 16 --query-groups 4 --ffn-hidden-size 8192 \
+        --vocab-size 32000 --dtype bf16 --output h200-8x2048.json
+
+Budget: measured 2026-11-30 on 2 x H200 with that model (torch attention): Tmax = 64K (the
+default cap), 26 samples, 121 s wall including start-up, fit within 2.1% of every sample.
+``--quick`` (2 token sizes, every other length, 1 warm-up, 3 repeats) is for smoke tests.
+
+Trade-off: one linear model cannot follow everything (short documents run attention less
+efficiently than long ones; the ring's cost depends on document length); the table printed last
+and the residuals in the JSON say how far each sample is from the fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from runtime.calibrate.fit import format_table
+from runtime.calibrate.run import CalibrateConfig, calibrate, to_json, write_json
+from runtime.calibrate.timing import DTYPES
+from runtime.train.backends import ATTENTIONS
+from runtime.train.model import GPTConfig, add_model_arguments, model_config_from_args
+
+# --------------------------------------------------------------------------------------------
+# Entry point: torchrun, a world of one, or --nproc N spawned here.
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[CalibrateConfig, GPTConfig, int]:
+    """Parse ``dcp-calibrate``'s flags into (CalibrateConfig, GPTConfig, nproc)."""
+    p = argparse.ArgumentParser(prog="dcp-calibrate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--output", "-o", required=True, help="cost-model JSON file to write")
+    p.add_argument("--name", default="", help="cost-model name (default: the output's stem)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to measure")
+    p.add_argument("--attention", choices=ATTENTIONS, default="te",
+                   help="te (torch if TE is not usable), torch, or reference")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16",
+                   help="bf16 autocast with fp32 master weights, or fp32")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="spawn this many processes (one per GPU) unless run under torchrun")
+    p.add_argument("--cp-sizes", type=int, nargs="*", default=[],
+                   help="CP group sizes > 1 to measure (default: every valid size)")
+    p.add_argument("--max-tokens", type=int, default=65536,
+                   help="largest CP=1 buffer (GPU: lowered to what memory holds)")
+    p.add_argument("--min-length", type=int, default=512, help="shortest document length")
+    p.add_argument("--max-length", type=int, default=32768, help="longest document length")
+    p.add_argument("--memory-fraction", type=float, default=0.7,
+                   help="GPU memory share the largest buffer may use")
+    p.add_argument("--warmup", type=int, default=3, help="untimed runs per configuration")
+    p.add_argument("--repeats", type=int, default=7, help="timed runs per configuration")
+    p.add_argument("--quick", action="store_true", help="small grid, 1 warm-up, 3 repeats")
+    p.add_argument("--seed", type=int, default=0, help="seed of weights and tokens")
+    add_model_arguments(p)
+    a = p.parse_args(argv)
+    try:
+        model_config = model_config_from_args(a)
+        cfg = CalibrateConfig(output=a.output, name=a.name, device=a.device,
+                              attention=a.attention, dtype=a.dtype, max_tokens=a.max_tokens,
+                              min_length=a.min_length, max_length=a.max_length,
+                              memory_fraction=a.memory_fraction, warmup=a.warmup,
+                              repeats=a.repeats, quick=a.quick, cp_sizes=tuple(a.cp_sizes),
+                              seed=a.seed)
+        if a.nproc < 1:
+            raise ValueError(f"--nproc must be >= 1, got {a.nproc}")
+        if a.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: CUDA is not available")
+    except ValueError as e:
+        p.error(str(e))
+    return cfg, model_config, a.nproc
+
+
+def _process(cfg: CalibrateConfig, model_config: GPTConfig, rank: int, world_size: int,
+             store_path: str | None) -> None:
+    """One rank: join the world, measure; rank 0 writes the file and prints the table last.
+
+    The world comes from torchrun (env://), from ``--nproc``'s FileStore at ``store_path``, or
+    is a world of one.
+    """
+    backend = "nccl" if cfg.device == "cuda" else "gloo"
+    if cfg.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    if store_path is not None:
+        store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(),  # type: ignore[attr-defined]
+                                rank=0, world_size=1)
+    try:
+        torch.manual_seed(cfg.seed)
+        result = calibrate(cfg, model_config)
+        if dist.get_rank() == 0:
+            write_json(cfg.output, to_json(result))
+            params = result.fit.model.parameters
+            print("\n" + format_table(result.fit))
+            print("parameters: " + ", ".join(f"{k} {v:.4g}" for k, v in params.items()))
+            print(f"wrote {cfg.output}", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawned(rank: int, cfg: CalibrateConfig, model_config: GPTConfig, world_size: int,
+             store_path: str) -> None:
+    _process(cfg, model_config, rank, world_size, store_path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``dcp-calibrate``; returns the process exit status."""
+    cfg, model_config, nproc = parse_args(argv)
+    try:
+        if nproc > 1 and "WORLD_SIZE" not in os.environ:
+            from torch.multiprocessing.spawn import start_processes
+
+            with tempfile.TemporaryDirectory(prefix="dcp-calibrate-") as tmp:
+                # A FileStore needs no port; children inherit the environment unchanged.
+                start_processes(_spawned, args=(cfg, model_config, nproc,  # type: ignore[no-untyped-call]
+                                                os.path.join(tmp, "store")),
+                                nprocs=nproc, start_method="spawn")
+        else:
+            _process(cfg, model_config, int(os.environ.get("RANK", "0")),
+                     int(os.environ.get("WORLD_SIZE", "1")), None)
+    except ValueError as e:
+        print(f"dcp-calibrate: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+

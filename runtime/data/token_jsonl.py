@@ -1,0 +1,135 @@
+"""JSONL token source: a cached byte-offset index of the records, one line decoded per read.
+
+The index comes from ``planner.sources.lengths.jsonl_index`` (the same definition of a record as the
+planner's lengths). It is cached as ``<file>.dcpidx`` (npz) beside the file, or in ``cache_dir``
+when that directory is not writable, keyed by the file's size and mtime_ns and the index options,
+and rebuilt when stale. It is written to a temporary name and renamed, so concurrent ranks never
+see half a cache (they may each build it once; the last rename wins, with identical content).
+A read decodes only its record's line with ``json.loads``: the slowest source (whole line per
+read, even for a short segment of a long sample).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+from numpy.typing import NDArray
+
+from planner.sources.lengths import jsonl_index
+from runtime.data.token_files import TOKEN_FIELDS, check_read
+
+INDEX_SUFFIX = ".dcpidx"
+INDEX_VERSION = 1
+
+
+def _record_tokens(raw: bytes, field: str | None) -> list[int]:
+    """The token list of one JSONL record line (``planner.sources.jsonl``'s rules: a JSON object
+    whose
+    first non-null field among ``field`` or TOKEN_FIELDS holds the tokens)."""
+    obj = json.loads(raw.decode("utf-8-sig", "replace"))
+    if not isinstance(obj, dict):
+        raise ValueError(f"not a JSON object but {type(obj).__name__}")
+    for name in (field,) if field is not None else TOKEN_FIELDS:
+        value = obj.get(name)
+        if isinstance(value, list):
+            return value
+    raise ValueError(f"no token list under {field or ' or '.join(TOKEN_FIELDS)!r} (a dataset of "
+                     "lengths only can be planned but not replayed)")
+
+
+class JsonlTokens:
+    """One JSON record per line; sample i is the i-th record ``planner.sources.lengths`` counts."""
+
+    def __init__(self, path: str | os.PathLike[str],
+                 cache_dir: str | os.PathLike[str] | None = None, *, field: str | None = None,
+                 skip_bad_records: bool = False) -> None:
+        self.path = Path(path)
+        self.field = field
+        self.skip_bad_records = skip_bad_records
+        self.cache_dir = None if cache_dir is None else Path(cache_dir)
+        st = os.stat(self.path)
+        self._key = json.dumps({"version": INDEX_VERSION, "size": st.st_size,
+                                "mtime_ns": st.st_mtime_ns, "field": field,
+                                "skip_bad_records": skip_bad_records}, sort_keys=True)
+        self.index_built = False
+        """True when this instance had to build the index (no valid cache was found)."""
+        self.index_path: Path | None = None
+        """Where the index cache was found or written (None: kept in memory only)."""
+        loaded = self._load_cache()
+        if loaded is None:
+            offsets, nbytes, counts = jsonl_index(self.path, skip_bad_records=skip_bad_records,
+                                                  field=field)
+            loaded = (np.asarray(offsets, np.int64), np.asarray(nbytes, np.int64),
+                      np.asarray(counts, np.int64))
+            self.index_built = True
+            self._write_cache(*loaded)
+        self._offsets, self._nbytes, self._lengths = loaded
+        self._file = open(self.path, "rb")  # noqa: SIM115 (closed in close())
+
+    def _candidates(self) -> list[Path]:
+        beside = self.path.with_name(self.path.name + INDEX_SUFFIX)
+        if self.cache_dir is None:
+            return [beside]
+        # One cache directory may serve datasets of the same name in different directories.
+        tag = hashlib.sha1(str(self.path.resolve()).encode()).hexdigest()[:16]
+        return [beside, self.cache_dir / f"{self.path.name}.{tag}{INDEX_SUFFIX}"]
+
+    def _load_cache(self) -> tuple[NDArray[np.int64], ...] | None:
+        for p in self._candidates():
+            try:
+                with np.load(p, allow_pickle=False) as z:
+                    if str(z["key"]) != self._key:
+                        continue
+                    self.index_path = p
+                    return z["offsets"], z["nbytes"], z["lengths"]
+            except (OSError, KeyError, ValueError):
+                continue  # absent, unreadable or foreign: try the next place, then rebuild
+        return None
+
+    def _write_cache(self, offsets: NDArray[np.int64], nbytes: NDArray[np.int64],
+                     lengths: NDArray[np.int64]) -> None:
+        for p in self._candidates():
+            try:
+                p.parent.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
+            except OSError:
+                continue  # directory not writable: next candidate
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    np.savez(f, key=np.array(self._key), offsets=offsets, nbytes=nbytes,
+                             lengths=lengths)
+                os.replace(tmp, p)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            self.index_path = p
+            return
+        warnings.warn(f"{self.path}: cannot write the index cache beside the file and no "
+                      "writable cache_dir was given; the index lives in memory only", stacklevel=3)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._lengths)
+
+    def lengths(self) -> NDArray[np.int64]:
+        return self._lengths
+
+    def read(self, sample_index: int, offset: int, length: int) -> NDArray[np.int64]:
+        check_read(str(self.path), self._lengths, sample_index, offset, length)
+        line = os.pread(self._file.fileno(), int(self._nbytes[sample_index]),
+                        int(self._offsets[sample_index]))
+        try:
+            toks = _record_tokens(line, self.field)
+        except ValueError as e:
+            raise ValueError(f"{self.path}: record of sample {sample_index} (byte "
+                             f"{int(self._offsets[sample_index])}) does not decode: {e}") from None
+        return np.asarray(toks[offset:offset + length], dtype=np.int64)
+
+    def close(self) -> None:
+        self._file.close()

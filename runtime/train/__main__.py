@@ -1,0 +1,9 @@
+"""``python -m runtime.train``: the same as ``dcp-train``."""
+
+from __future__ import annotations
+
+import sys
+
+from runtime.train.cli import main
+
+sys.exit(main())

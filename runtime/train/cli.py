@@ -1,0 +1,100 @@
+"""``dcp-train``: train by replaying a plan, or run the single-process reference.
+
+Launch: ``torchrun --nproc-per-node N -m runtime.train --plan P --dataset D`` (gloo on CPU, NCCL
+on CUDA), or one plain process for a plan whose pool is 1 and for ``--reference``. The parallel
+layout comes from the plan header; the live job is only checked against it.
+
+``--framework`` picks the engine from ``runtime.adapters.FRAMEWORKS``: ``native`` runs
+``runtime.train.Trainer`` (and ``runtime.train.oracle`` for ``--reference``); any other
+name hands the parsed configs to that adapter's ``launch``.
+
+``--steps K`` is the absolute step to stop before (the run executes steps [start, K), start = 0
+or the resumed step), so a resumed run with the same ``--steps`` ends where the uninterrupted
+one does. One JSON line per step (rank 0): step, loss, tokens (real tokens of the step), loss
+tokens, microbatches, seconds, tokens_per_s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from runtime.adapters import FRAMEWORKS, load_launcher
+from runtime.train.backends import ATTENTIONS
+from runtime.train.common import DTYPES, TrainConfig, init_process_group
+from runtime.train.model import GPTConfig, add_model_arguments, model_config_from_args
+from runtime.train.oracle import train_reference
+from runtime.train.trainer import Trainer
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, GPTConfig, bool, str]:
+    """Parse ``dcp-train``'s flags into (TrainConfig, GPTConfig, reference, framework)."""
+    p = argparse.ArgumentParser(prog="dcp-train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--plan", required=True, help="plan file (.arrow) made by dcp-plan")
+    p.add_argument("--dataset", required=True, help="the dataset the plan was made for")
+    p.add_argument("--steps", type=int, default=0,
+                   help="absolute step to stop before (0: all steps of the plan)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to train")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights")
+    p.add_argument("--log-jsonl", default="", help="rank 0 appends one JSON line per step here")
+    p.add_argument("--reference", action="store_true",
+                   help="single-process oracle: every sequence alone, no CP, no packing")
+    p.add_argument("--framework", choices=tuple(FRAMEWORKS), default="native",
+                   help="training engine: native (this project's small GPT and loop), megatron "
+                        "(Megatron-core's schedules), torchtitan (torchtitan's trainer); "
+                        "--reference is each one's oracle")
+    p.add_argument("--attention", choices=ATTENTIONS, default="reference",
+                   help="CP attention: reference (all-gather, CPU/GPU), te, torch (CUDA)")
+    p.add_argument("--save", default="", help="checkpoint directory written at the end")
+    p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps")
+    p.add_argument("--resume", default="", help="checkpoint directory to continue from")
+    p.add_argument("--quiet", action="store_true", help="do not print per-step lines")
+    add_model_arguments(p)
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
+                   help="fp32, or bf16 autocast with fp32 master weights")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    a = p.parse_args(argv)
+    try:
+        model_config = model_config_from_args(a)
+        cfg = TrainConfig(plan=a.plan, dataset=a.dataset, steps=a.steps, device=a.device,
+                          seed=a.seed, attention=a.attention, dtype=a.dtype, lr=a.lr,
+                          weight_decay=a.weight_decay, log_jsonl=a.log_jsonl, save=a.save,
+                          save_every=a.save_every, resume=a.resume, quiet=a.quiet)
+    except ValueError as e:
+        p.error(str(e))
+    return cfg, model_config, a.reference, a.framework
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``dcp-train``; returns the process exit status."""
+    cfg, model_config, reference, framework = parse_args(argv)
+    torch.manual_seed(cfg.seed)
+    try:
+        if framework != "native":
+            return load_launcher(framework)(cfg, model_config, reference=reference)
+        if reference:
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                raise ValueError("--reference runs in one process; launch it without torchrun")
+            train_reference(cfg, model_config)
+            return 0
+        created = init_process_group(cfg.device)
+        try:
+            trainer = Trainer(cfg, model_config)
+            try:
+                trainer.run()
+            finally:
+                trainer.close()
+        finally:
+            if created:
+                dist.destroy_process_group()
+    except ValueError as e:
+        print(f"dcp-train: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+

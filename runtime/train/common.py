@@ -1,0 +1,190 @@
+"""What the replayed run, the oracle and the framework adapters share: the run's config, its
+log records, model and optimizer construction, the checkpoint binding and the process group.
+
+It exists so that ``runtime.train.trainer`` (the replayed run) and ``runtime.train.oracle``
+(its single-process reference) depend on one module and never on each other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+import torch.distributed as dist
+
+from runtime.data.plan_reader import PlanReader
+from runtime.train import checkpoint
+from runtime.train.backends import ATTENTIONS
+from runtime.train.model import GPT, GPTConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """Everything a training run needs besides the model shape."""
+
+    plan: str
+    """Path of the plan file."""
+    dataset: str
+    """Path of the dataset the plan was made for."""
+    steps: int = 0
+    """Absolute step to stop before; 0 means every step of the plan."""
+    device: str = "cpu"
+    """cpu or cuda."""
+    seed: int = 0
+    """Seed of the initial weights and of torch's RNG."""
+    attention: str = "reference"
+    """CP attention: reference (all-gather, any device), te (Transformer Engine, CUDA), torch
+    (all-gather + torch's fused varlen kernel on CUDA; an SDPA stand-in on CPU)."""
+    dtype: str = "fp32"
+    """fp32, or bf16 (autocast; fp32 master weights and optimizer)."""
+    lr: float = 1e-3
+    """AdamW learning rate (constant)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    log_jsonl: str = ""
+    """File that rank 0 appends one JSON line per step to; empty: stdout only."""
+    save: str = ""
+    """Checkpoint directory written at the end (and every save_every steps)."""
+    save_every: int = 0
+    """Steps between checkpoints; 0: only at the end."""
+    resume: str = ""
+    """Checkpoint directory to continue from."""
+    quiet: bool = False
+    """Do not print the per-step lines."""
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got "
+                             f"{self.attention!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.steps < 0 or self.save_every < 0:
+            raise ValueError("steps and save_every must be >= 0")
+        # The torch path also runs on CPU, with an SDPA stand-in for the CUDA kernel (tests).
+        if self.attention == "te" and self.device != "cuda":
+            raise ValueError("--attention te needs --device cuda")
+
+
+@dataclass(frozen=True, slots=True)
+class StepLog:
+    """One step's record (one JSON line)."""
+
+    step: int
+    loss: float
+    tokens: int
+    loss_tokens: int
+    microbatches: int
+    seconds: float
+
+    def to_json(self) -> str:
+        return json.dumps({"step": self.step, "loss": self.loss, "tokens": self.tokens,
+                           "loss_tokens": self.loss_tokens, "microbatches": self.microbatches,
+                           "seconds": round(self.seconds, 6),
+                           "tokens_per_s": round(self.tokens / max(self.seconds, 1e-9), 1)})
+
+
+@dataclass(slots=True)
+class TrainResult:
+    """What a run returns to a caller (tests): its step logs and, on request, the final weights
+    and the last step's gradients (reduced over the pool and divided by the token count)."""
+
+    logs: list[StepLog] = field(default_factory=list)
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def build_model(model_config: GPTConfig, seed: int, device: torch.device) -> GPT:
+    """The model with weights from ``seed``, fp32 master weights on ``device``."""
+    return GPT(model_config, seed=seed).to(device)
+
+
+def build_optimizer(model: GPT, cfg: TrainConfig) -> torch.optim.Optimizer:
+    # foreach=False: the same per-tensor arithmetic on every rank and in the reference.
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                             foreach=False)
+
+
+def autocast_context(cfg: TrainConfig, device: torch.device) -> AbstractContextManager[Any]:
+    if cfg.dtype == "fp32":
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=DTYPES[cfg.dtype])
+
+
+def checkpoint_meta(model_config: GPTConfig, reader: PlanReader) -> dict[str, Any]:
+    # The plan's header digest: a resume must replay the same batches, and another plan of the
+    # same dataset and step count would pass every other check.
+    plan = hashlib.sha256(reader.header.to_json().encode()).hexdigest()[:16]
+    return {"model": checkpoint.config_meta(model_config),
+            "dataset": reader.header.dataset.fingerprint, "num_steps": reader.num_steps,
+            "plan": plan}
+
+
+class StepLogger:
+    """Rank 0's per-step output: a JSON line to stdout and, if asked, to a file."""
+
+    def __init__(self, cfg: TrainConfig, enabled: bool) -> None:
+        self.enabled = enabled
+        self.quiet = cfg.quiet
+        self.file: IO[str] | None = None
+        if enabled and cfg.log_jsonl:
+            Path(cfg.log_jsonl).parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(cfg.log_jsonl, "a")  # noqa: SIM115 - closed in close()
+
+    def write(self, log: StepLog) -> None:
+        if not self.enabled:
+            return
+        line = log.to_json()
+        if not self.quiet:
+            print(line, flush=True)
+        if self.file is not None:
+            self.file.write(line + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def step_range(cfg: TrainConfig, start: int, num_steps: int) -> range:
+    stop = min(cfg.steps, num_steps) if cfg.steps else num_steps
+    return range(start, stop)
+
+
+def copy_final_state(result: TrainResult, model: GPT) -> None:
+    """Copy the weights and the last step's gradients (AdamW leaves ``.grad`` as it was)."""
+    result.state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    result.grads = {k: p.grad.detach().cpu().clone() for k, p in model.named_parameters()
+                    if p.grad is not None}
+
+
+def resolve_device(cfg: TrainConfig) -> torch.device:
+    if cfg.device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: CUDA is not available")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_process_group(device: str) -> bool:
+    """Join the torchrun world (env://), or make a world of one; True if this call created it."""
+    if dist.is_initialized():
+        return False
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        store = dist.HashStore()  # type: ignore[attr-defined]
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    return True

@@ -1,0 +1,118 @@
+"""The oracle for the replayed run: one process, no CP, no packing (``dcp-train --reference``).
+
+For each step it takes every sample segment of the step from the plan, runs each as its own
+sequence with full causal attention (SDPA), and uses loss = sum over all loss tokens / count,
+from the same initial weights (same seed) and with the same optimizer. Labels follow
+``runtime.data.batch``'s rule, written out again here on purpose (an oracle shares no code with what
+it checks beyond the model): the next token of the same sample, and for a segment that stops
+before its sample's end, the sample's next token.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from runtime.data.plan_reader import PlanReader
+from runtime.data.tokens import TokenSource, open_token_source
+from runtime.train import checkpoint
+from runtime.train.common import (
+    StepLog,
+    StepLogger,
+    TrainConfig,
+    TrainResult,
+    autocast_context,
+    build_model,
+    build_optimizer,
+    checkpoint_meta,
+    copy_final_state,
+    resolve_device,
+    step_range,
+)
+from runtime.train.model import GPTConfig, check_token_ids, sequence_attention
+
+
+def _sequences_of_step(reader: PlanReader, source: TokenSource, step: int, vocab_size: int = 0
+                       ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(tokens, labels, loss mask) of every sample segment of ``step``, in plan order.
+
+    Labels are the next token of the same sample: inside the segment, and for its last token
+    the sample's next token when the segment stops before the sample's end (split samples).
+    """
+    plan = reader.step(step)
+    lengths = source.lengths()
+    for s, off, n in zip(plan.sample_index.tolist(), plan.token_offset.tolist(),
+                         plan.num_tokens.tolist(), strict=True):
+        if s < 0:
+            continue
+        extra = 1 if off + n < int(lengths[s]) else 0
+        read = torch.from_numpy(source.read(s, off, n + extra).astype(np.int64))
+        if vocab_size:
+            where = functools.partial("step {} sample {}".format, step, s)
+            check_token_ids(read, vocab_size, where)
+        tokens = read[:n]
+        labels = torch.zeros(n, dtype=torch.int64)
+        labels[: n + extra - 1] = read[1:]
+        mask = torch.zeros(n, dtype=torch.float32)
+        mask[: n + extra - 1] = 1.0
+        yield tokens, labels, mask
+
+
+def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
+                    keep_state: bool = False) -> TrainResult:
+    """The oracle: every sequence alone, full causal attention, loss = sum / count per step."""
+    device = resolve_device(cfg)
+    reader = PlanReader(cfg.plan)
+    source = open_token_source(cfg.dataset)
+    reader.check_dataset(source.lengths())
+    model = build_model(model_config, cfg.seed, device)
+    optimizer = build_optimizer(model, cfg)
+    meta = checkpoint_meta(model_config, reader)
+    start = 0
+    if cfg.resume:
+        start = checkpoint.load(cfg.resume, model=model, optimizer=optimizer, rank=0,
+                                expect_meta=meta).next_step
+    logger = StepLogger(cfg, enabled=True)
+    result = TrainResult()
+    try:
+        steps = step_range(cfg, start, reader.num_steps)
+        for step in steps:
+            t0 = time.perf_counter()
+            optimizer.zero_grad(set_to_none=False)
+            total, count, tokens = 0.0, 0.0, 0
+            for seq, labels, mask in _sequences_of_step(reader, source, step,
+                                                        model_config.vocab_size):
+                seq, labels, mask = seq.to(device), labels.to(device), mask.to(device)
+                with autocast_context(cfg, device):
+                    logits = model(seq, torch.arange(len(seq), device=device), sequence_attention)
+                losses = F.cross_entropy(logits.float(), labels, reduction="none")
+                loss_sum = (losses * mask).sum()
+                loss_sum.backward()  # type: ignore[no-untyped-call]
+                total += float(loss_sum.detach())
+                count += float(mask.sum())
+                tokens += len(seq)
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(max(count, 1.0))
+            optimizer.step()
+            log = StepLog(step=step, loss=total / max(count, 1.0), tokens=tokens,
+                          loss_tokens=int(count), microbatches=0,
+                          seconds=time.perf_counter() - t0)
+            result.logs.append(log)
+            logger.write(log)
+            if cfg.save and (step == steps[-1] or (cfg.save_every
+                                                  and (step + 1) % cfg.save_every == 0)):
+                checkpoint.save(cfg.save, model=model, optimizer=optimizer, next_step=step + 1,
+                                meta=meta, rank=0)
+    finally:
+        logger.close()
+    if keep_state:
+        copy_final_state(result, model)
+    return result
+
+
