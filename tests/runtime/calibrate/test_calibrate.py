@@ -173,7 +173,11 @@ def test_one_process_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert main([*TINY_FLAGS, "--output", str(out)]) == 0
     model = load_cost_model(str(out))
     assert model.name == "tiny-cpu"
-    assert model.linear_s_per_token + model.microbatch_s > 0
+    # Times are positive, so the non-negative fit puts weight on some term; which one depends on
+    # the machine's noise (a loaded CPU can make the 2-parameter split degenerate).
+    terms = (model.linear_s_per_token, model.attention_s_per_token2, model.microbatch_s)
+    assert min(terms) >= 0
+    assert sum(terms) > 0
     assert model.cp_fixed_s == model.cp_token_s == 0.0
     data = json.loads(out.read_text())
     m = data["measured"]
