@@ -1,5 +1,8 @@
 """Baseline 1: static context parallelism with next-fit packing (Megatron's ``dp_balanced``).
 
+The packing rules live in planner/solver/static_cp.py (the planner scores them as a candidate
+for every step); this module plans whole datasets with them for the quality bench.
+
 Written from the behaviour of Megatron-LM's ``DpBalancedScheduler`` (megatron/core/datasets/
 data_schedule.py), not from its code:
 
@@ -33,6 +36,7 @@ from numpy.typing import NDArray
 from bench.baseline_common import BaselineRun, GroupRows, lengths_of, run_baseline
 from planner.config import PlannerConfig
 from planner.groups import pad_multiple, valid_cp_sizes
+from planner.solver.static_cp import padded_lengths, static_bins
 
 SOLVER_NAME = "static-cp-nextfit"
 
@@ -50,13 +54,6 @@ class StaticCPInfeasible(ValueError):
                          f"{cp} x {capacity} tokens after padding; {need}")
 
 
-def padded_lengths(lengths: NDArray[np.int64], cp: int, tp_eff: int, layout: str
-                   ) -> NDArray[np.int64]:
-    """Every length rounded up to the padding multiple of group size ``cp``."""
-    m = pad_multiple(cp, tp_eff, layout)
-    return -(-np.asarray(lengths, dtype=np.int64) // m) * m
-
-
 def smallest_static_cp(lengths: NDArray[np.int64], pool_size: int, capacity: int, tp_eff: int,
                        layout: str) -> int | None:
     """Least valid size k whose groups hold every sample after padding, or None."""
@@ -65,41 +62,6 @@ def smallest_static_cp(lengths: NDArray[np.int64], pool_size: int, capacity: int
         if int(padded_lengths(np.array([longest]), k, tp_eff, layout)[0]) <= k * capacity:
             return k
     return None
-
-
-def next_fit(padded: list[int], capacity: int) -> list[list[int]]:
-    """Positions of ``padded`` packed next-fit into bins of ``capacity`` (input order kept)."""
-    bins: list[list[int]] = []
-    current: list[int] = []
-    used = 0
-    for i, p in enumerate(padded):
-        if current and used + p > capacity:
-            bins.append(current)
-            current, used = [], 0
-        current.append(i)
-        used += p
-    if current:
-        bins.append(current)
-    return bins
-
-
-def round_bins_up(bins: list[list[int]], multiple: int) -> list[list[int]]:
-    """Megatron's fix-up: split tail bins' last items into new bins until len % multiple == 0.
-
-    Walks from the last original bin backwards; a bin with more than one item gives its last
-    item to a new single-item bin appended at the end. Stops early (leaving fillers to the
-    caller) when no bin can give an item, where Megatron would assert.
-    """
-    bins = [list(b) for b in bins]
-    missing = (-len(bins)) % multiple
-    i = len(bins) - 1
-    while missing > 0 and i >= 0:
-        if len(bins[i]) > 1:
-            bins.append([bins[i].pop()])
-            missing -= 1
-        else:
-            i -= 1
-    return bins
 
 
 def static_step(samples: NDArray[np.int64], lengths: NDArray[np.int64], *, pool_size: int,
@@ -117,10 +79,8 @@ def static_step(samples: NDArray[np.int64], lengths: NDArray[np.int64], *, pool_
         raise StaticCPInfeasible(cp, int(samples[j]), int(lengths[j]), capacity,
                                  smallest_static_cp(lengths, pool_size, capacity, tp_eff, layout))
     num_groups = pool_size // cp
-    bins = round_bins_up(next_fit(padded.tolist(), cp * capacity),
-                         num_groups * microbatch_multiple)
-    num_mb = -(-len(bins) // num_groups)
-    num_mb = -(-num_mb // microbatch_multiple) * microbatch_multiple
+    bins, num_mb = static_bins(padded, pool_size=pool_size, cp=cp, capacity=capacity,
+                               microbatch_multiple=microbatch_multiple)
     filler = pad_multiple(cp, tp_eff, layout)
     samples_l, lengths_l, padded_l = samples.tolist(), lengths.tolist(), padded.tolist()
     out: list[list[GroupRows]] = []

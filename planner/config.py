@@ -88,6 +88,9 @@ class SolverConfig:
     max 0.5); 0 disables CP-SAT."""
     seed: int = 0
     """CP-SAT random seed (results are reproducible for a fixed seed)."""
+    baselines: bool = True
+    """Score static CP (at the job's cp) and Megatron's greedy as candidates for every step and
+    keep the fastest (planner/solver/candidates.py); False plans with our search alone."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.microbatch_tolerance < 1.0:

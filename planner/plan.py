@@ -189,8 +189,10 @@ def make_plan(table: LengthTable, config: PlannerConfig, cost: CostModel, *,
     steps: list[dict[str, NDArray[Any]]] = []
     step_segments: list[NDArray[np.int64]] = []
     tight: list[float] = []
+    sources: dict[str, int] = {}
     for j, out in enumerate(plan_steps(jobs, params, config.workers, report)):
         tight.append(out.bound_seconds)
+        sources[out.source] = sources.get(out.source, 0) + 1
         cols: dict[str, NDArray[Any]] = {
             "step": np.full(len(out.microbatch), j, dtype=np.int32),
             "microbatch": out.microbatch, "rank_start": out.rank_start,
@@ -209,6 +211,8 @@ def make_plan(table: LengthTable, config: PlannerConfig, cost: CostModel, *,
         "truncated_samples": policy.truncated,
         "split_samples": split_samples,
         "skipped_bad_records": int(len(table.skipped)),
+        # Steps whose rows came from each candidate (solver/candidates.py), sorted by name.
+        "candidate_steps": dict(sorted(sources.items())),
     })
     if config.drop_last:
         stats["undrawn_samples"] = [np.sort(u).tolist() for _, u in draws]

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
+from planner.solver.candidates import Rows, best_rows
 from planner.solver.emit import emit_rows
 from planner.solver.place import BALANCE, PACK, spread
 from planner.solver.step import (
@@ -53,10 +54,15 @@ class StepAssignment:
     """One step's rows (plan columns except ``step``), sorted as the plan format demands."""
 
     num_microbatches: int
+    simulated_seconds: float
+    """The simulator's critical path of these rows (cost.simulate_step)."""
     predicted_seconds: float
-    """The kernel's critical path (fillers' token cost excluded)."""
+    """Our search's kernel makespan (fillers' token cost excluded), whichever rows won."""
     bound_seconds: float
     """The step's malleable lower bound (bounds.py) at its fewest microbatches."""
+    source: str
+    """Which candidate the rows come from: ``dcp`` (our search), ``static-cp`` or
+    ``megatron-greedy`` (candidates.py)."""
     microbatch: NDArray[np.int32]
     rank_start: NDArray[np.int32]
     cp_size: NDArray[np.int32]
@@ -176,7 +182,15 @@ def assign_step(sample_index: NDArray[np.int64], token_offset: NDArray[np.int64]
         t.padded, t.order, best.item_level, item_group, g_level, g_block, num_groups,
         params.sizes, params.pool_size, best.num_mb, int(params.multiples[0]))
     bound = problem.bound(min_microbatches(t, params))
-    return StepAssignment(num_microbatches=best.num_mb, predicted_seconds=best.seconds,
-                          bound_seconds=bound, microbatch=mb, rank_start=start, cp_size=k,
-                          sample_index=sample, token_offset=offset, num_tokens=ntok,
-                          padded_tokens=padded)
+    rows, source, seconds = best_rows(
+        Rows(mb, start, k, sample, offset, ntok, padded), np.asarray(sample_index, np.int64),
+        np.asarray(token_offset, np.int64), tokens, cost=params.cost,
+        pool_size=params.pool_size, capacity=params.capacity, sizes=params.sizes,
+        static_cp=params.static_cp, megatron=params.megatron, tp_eff=params.tp_eff,
+        layout=params.layout, multiple=params.microbatch_multiple)
+    return StepAssignment(num_microbatches=rows.num_microbatches, simulated_seconds=seconds,
+                          predicted_seconds=best.seconds,
+                          bound_seconds=bound, source=source, microbatch=rows.microbatch,
+                          rank_start=rows.rank_start, cp_size=rows.cp_size,
+                          sample_index=rows.sample_index, token_offset=rows.token_offset,
+                          num_tokens=rows.num_tokens, padded_tokens=rows.padded_tokens)

@@ -24,7 +24,7 @@ from planner.solver.items import ItemTables, item_tables
 from planner.solver.place import BALANCE, PACK, place
 
 SOLVER_NAME = "greedy-lpt"
-SOLVER_VERSION = 2
+SOLVER_VERSION = 3
 
 # Targets tried by refinement, as the bound times (1 + delta); max adds plain LPT (T = inf).
 DELTAS = {"balanced": (0.01, 0.03, 0.06, 0.1, 0.16, 0.25),
@@ -68,6 +68,14 @@ class PackingParams:
     """CP-SAT random seed."""
     deltas: tuple[float, ...] = ()
     """Refinement targets, as the bound times (1 + delta)."""
+    static_cp: int = 0
+    """Static CP size scored as a candidate per step (candidates.py); 0: none."""
+    megatron: bool = False
+    """Whether Megatron's greedy is scored as a candidate per step (not with VPP)."""
+    tp_eff: int = 1
+    """tp' (padding of the static candidate)."""
+    layout: str = "zigzag"
+    """Layout (padding of the static candidate)."""
 
     @classmethod
     def from_config(cls, config: PlannerConfig, cost: CostModel) -> PackingParams:
@@ -81,7 +89,10 @@ class PackingParams:
                    microbatch_multiple=p.microbatch_multiple, effort=config.effort,
                    microbatch_tolerance=s.microbatch_tolerance, refine_gap=s.refine_gap,
                    cpsat_seconds=cpsat, cpsat_items=CPSAT_ITEMS[config.effort], seed=s.seed,
-                   deltas=DELTAS.get(config.effort, ()))
+                   deltas=DELTAS.get(config.effort, ()),
+                   static_cp=p.cp if s.baselines and p.cp in config.sizes else 0,
+                   megatron=s.baselines and p.microbatch_multiple == 1, tp_eff=p.tp_eff,
+                   layout=config.layout)
 
     def header(self) -> dict[str, Any]:
         """The solver settings for the plan header (everything that can change a plan)."""
@@ -93,7 +104,13 @@ class PackingParams:
                 "cpsat": {"max_deterministic_time": self.cpsat_seconds,
                           "heavy_items": self.cpsat_items, "random_seed": self.seed,
                           "num_workers": 1, "ortools": _ortools_version()}
-                if self.cpsat_seconds > 0 else None}
+                if self.cpsat_seconds > 0 else None,
+                "candidates": self.candidates()}
+
+    def candidates(self) -> list[str]:
+        """Names of the per-step candidates besides our search (candidates.py)."""
+        return ([f"static-cp-{self.static_cp}"] if self.static_cp else []) + (
+            ["megatron-greedy"] if self.megatron else [])
 
 
 def _ortools_version() -> str:

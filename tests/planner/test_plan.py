@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from numpy.typing import NDArray
 
-from planner.config import ParallelConfig, PlannerConfig
+from planner.config import ParallelConfig, PlannerConfig, SolverConfig
 from planner.cost import CostModel, load_cost_model, simulate_step
 from planner.groups import LAYOUTS, pad_multiple, valid_cp_sizes
 from planner.plan import Plan, apply_long_policy, make_plan
@@ -149,7 +149,8 @@ def test_kernel_prediction_is_the_simulated_time(lengths: list[int], dp: int, ef
                                                  ) -> None:
     # Nested levels mean no group ever waits for a member, so the kernel's makespan (sum of
     # its rank loads) is the simulator's critical path, up to the fillers' one-token cost.
-    cfg = config(dp=dp, cp=2, capacity=8192, long_sequences="split", effort=effort)
+    cfg = config(dp=dp, cp=2, capacity=8192, long_sequences="split", effort=effort,
+                 solver=SolverConfig(baselines=False))
     params = PackingParams.from_config(cfg, COST)
     tokens = np.asarray(lengths, dtype=np.int64)
     tokens = tokens[tokens <= 2 * dp * 8192]
