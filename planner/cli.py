@@ -1,6 +1,7 @@
 """`dcp-plan`: plan a dataset, validate a plan, show a plan.
 
     dcp-plan DATASET --dp D --cp C --max-tokens-per-rank CAP --global-batch-size B [...]
+    dcp-plan DATASET --eval --dp D --cp C --max-tokens-per-rank CAP --global-batch-size B
     dcp-plan validate PLAN [DATASET]
     dcp-plan show PLAN [--steps A:B]
 
@@ -63,8 +64,13 @@ def _plan_parser() -> argparse.ArgumentParser:
                    help="real tokens per optimizer step (samples added in permutation order)")
     p.add_argument("--drop-last", action="store_true",
                    help="drop each epoch's final partial global batch")
-    p.add_argument("--seed", type=int, default=0, help="seed of the per-epoch permutation")
-    p.add_argument("--epochs", type=int, default=1, help="epochs to plan")
+    p.add_argument("--seed", type=int, default=None, help="seed of the per-epoch permutation "
+                   "(default 0)")
+    p.add_argument("--epochs", type=int, default=None, help="epochs to plan (default 1)")
+    p.add_argument("--eval", action="store_true",
+                   help="an evaluation plan: one pass in file order, the last partial batch "
+                   "kept, planned with the forward-only cost; the global batch flags set one "
+                   "eval step (not with --drop-last, --epochs or --seed)")
     p.add_argument("--layout", choices=LAYOUTS, default="zigzag", help="CP sharding layout")
     p.add_argument("--cp-sizes", type=_int_list, default=(), metavar="LIST",
                    help="allowed group sizes, e.g. 1,2,4,8 (default: Megatron's valid sizes)")
@@ -114,7 +120,15 @@ def _fmt_rate(n: int, seconds: float) -> str:
 
 
 def cmd_plan(argv: list[str]) -> int:
-    args = _plan_parser().parse_args(argv)
+    parser = _plan_parser()
+    args = parser.parse_args(argv)
+    if args.eval:
+        given = [flag for flag, value in (("--drop-last", args.drop_last or None),
+                                          ("--epochs", args.epochs), ("--seed", args.seed))
+                 if value is not None]
+        if given:
+            parser.error(f"--eval plans one pass over the samples in file order, with the last "
+                         f"partial batch kept: {', '.join(given)} cannot be used with it")
     from planner.cost import load_cost_model
     from planner.plan import make_plan
     from planner.planfile.io import write_plan
@@ -127,9 +141,12 @@ def cmd_plan(argv: list[str]) -> int:
     config = PlannerConfig(
         parallel=parallel, capacity_tokens_per_rank=args.max_tokens_per_rank,
         global_batch_size=args.global_batch_size, global_batch_tokens=args.global_batch_tokens,
-        seed=args.seed, epochs=args.epochs, layout=args.layout, cp_sizes=args.cp_sizes,
-        min_cp=args.min_cp, long_sequences=args.long_sequences, drop_last=args.drop_last,
+        seed=0 if args.seed is None else args.seed,
+        epochs=1 if args.epochs is None else args.epochs, layout=args.layout,
+        cp_sizes=args.cp_sizes, min_cp=args.min_cp, long_sequences=args.long_sequences,
+        drop_last=args.drop_last,
         effort=args.effort, cost_model=args.cost_model, workers=args.workers,
+        kind="eval" if args.eval else "train",
         solver=SolverConfig(microbatch_tolerance=args.microbatch_tolerance))
     cost = load_cost_model(args.cost_model)
     out = Path(args.output) if args.output else Path("plans") / f"{Path(args.dataset).stem}.arrow"
@@ -163,7 +180,7 @@ def format_summary(header: PlanHeader, out: Path, num_samples: int,
         f"pool      dp {p.dp} x cp {p.cp} = {p.pool_size} ranks (tp {p.tp}, pp {p.pp}, "
         f"vpp {p.vpp}), cap {header.capacity_tokens_per_rank:,} tokens/rank, "
         f"sizes {list(header.cp_sizes)}, {header.layout}",
-        f"steps     {s['num_steps']:,} ({len(header.epochs)} epoch(s)), microbatches per step "
+        f"steps     {s['num_steps']:,} ({_passes(header)}), microbatches per step "
         f"{s['microbatches_per_step']['min']}-{s['microbatches_per_step']['max']} "
         f"(mean {s['microbatches_per_step']['mean']:.2f})",
         "groups    " + ", ".join(f"cp{k}: {v:,}" for k, v in sorted(
@@ -184,6 +201,12 @@ def format_summary(header: PlanHeader, out: Path, num_samples: int,
     lines.append(f"speed     {_fmt_rate(num_samples * len(header.epochs), total)} in "
                  f"{total:.2f} s ({detail})")
     return "\n".join(lines)
+
+
+def _passes(header: PlanHeader) -> str:
+    if header.kind == "eval":
+        return "eval: one pass in file order"
+    return f"{len(header.epochs)} epoch(s)"
 
 
 def cmd_validate(argv: list[str]) -> int:
@@ -208,7 +231,8 @@ def cmd_validate(argv: list[str]) -> int:
                                    field=args.field).lengths
         validate(f.header, f, lengths, source=args.plan)
         what = "and dataset coverage " if lengths is not None else ""
-        print(f"{args.plan}: valid ({f.num_steps} steps, format {f.header.format_version}; "
+        print(f"{args.plan}: valid {f.header.kind} plan ({f.num_steps} steps, format "
+              f"{f.header.format_version}; "
               f"invariants {what}checked)")
     return 0
 

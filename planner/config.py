@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from planner.groups import LAYOUTS, ZIGZAG, check_cp_sizes, valid_cp_sizes
+from planner.planfile.schema import EVAL, PLAN_KINDS
 
 LONG_SEQUENCE_POLICIES = ("error", "split", "truncate", "drop")
 EFFORTS = ("fast", "balanced", "max")
@@ -134,6 +135,9 @@ class PlannerConfig:
     """Solver knobs (tolerances, refinement threshold, CP-SAT budget)."""
     workers: int = 1
     """Processes that plan steps in parallel; the plan is identical for every value."""
+    kind: str = "train"
+    """``train``: epochs of seeded permutations; ``eval``: one pass in file order, the last partial
+    batch kept, planned with the cost model's forward-only cost (no epochs, seed or drop_last)."""
     sizes: tuple[int, ...] = field(init=False)
     """Resolved group sizes (set from cp_sizes and min_cp)."""
 
@@ -156,6 +160,18 @@ class PlannerConfig:
                 f"long_sequences must be one of {', '.join(LONG_SEQUENCE_POLICIES)}, "
                 f"got {self.long_sequences!r}"
             )
+        if self.kind not in PLAN_KINDS:
+            raise ValueError(f"kind must be one of {', '.join(PLAN_KINDS)}, got {self.kind!r}")
+        if self.kind == EVAL:
+            # One pass in file order: these settings would silently mean nothing, so refuse them.
+            if self.epochs != 1:
+                raise ValueError(f"an eval plan is one pass: epochs must be 1, got {self.epochs}")
+            if self.drop_last:
+                raise ValueError("an eval plan keeps its last partial batch: drop_last must be "
+                                 "False")
+            if self.seed != 0:
+                raise ValueError(f"an eval plan is in file order: seed must be 0, got "
+                                 f"{self.seed}")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.effort not in EFFORTS:

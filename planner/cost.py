@@ -10,6 +10,13 @@ with S = sum_i P_i. The ring term: each of the k-1 ring steps moves one rank's S
 and pays a fixed latency. Parameters are seconds for one forward+backward of the whole model on
 one rank; they live in JSON files (``planner/presets``) and are recorded in the plan header.
 
+Evaluation plans have no backward: ``CostModel.forward_only`` scales the per-token terms (a, b,
+cp_token_s) by ``forward_fraction`` (default 1/3: a GEMM's backward is two GEMMs of the same size,
+flash attention's backward costs about 2-2.5x its forward, and the ring's backward moves K/V and
+dK/dV, twice the forward's traffic), halves cp_fixed_s (the forward runs k-1 of the 2(k-1) ring
+steps) and keeps microbatch_s whole (a fixed cost per microbatch). A cost-model JSON may carry its
+own ``forward_fraction`` (top level) where it was measured.
+
 Step time is the critical path through the microbatches: a group starts microbatch m when every
 member has finished its microbatch m-1 (``simulate_step``). Lower bound of a step:
 max(sum of each sequence's cheapest per-rank work / N, the most expensive single sequence at its
@@ -30,6 +37,8 @@ from planner.groups import pad_multiple
 
 PRESET_DIR = Path(__file__).with_name("presets")
 DEFAULT_PRESET = "dense-7b-h200"
+DEFAULT_FORWARD_FRACTION = 1.0 / 3.0
+"""Forward seconds / (forward + backward) seconds of the per-token terms (module docstring)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -48,8 +57,14 @@ class CostModel:
     microbatch_s: float = 0.0
     """Fixed seconds per microbatch (launches, optimizer-free per-microbatch work)."""
     description: str = ""
+    forward_fraction: float = DEFAULT_FORWARD_FRACTION
+    """Forward share of the per-token terms, used by ``forward_only`` (eval plans); in (0, 1]."""
 
     def __post_init__(self) -> None:
+        share = self.forward_fraction
+        if not (isinstance(share, (int, float)) and 0.0 < share <= 1.0):
+            raise ValueError(f"cost model {self.name!r}: forward_fraction must be in (0, 1], "
+                             f"got {share!r}")
         for f in ("linear_s_per_token", "attention_s_per_token2", "cp_fixed_s", "cp_token_s",
                   "microbatch_s"):
             v = getattr(self, f)
@@ -62,6 +77,7 @@ class CostModel:
         d = asdict(self)
         d.pop("name")
         d.pop("description")
+        d.pop("forward_fraction")
         return d
 
     def to_header(self) -> dict[str, object]:
@@ -71,6 +87,17 @@ class CostModel:
         """(a, b, cp_fixed, cp_token, microbatch) for numba kernels."""
         return np.array([self.linear_s_per_token, self.attention_s_per_token2, self.cp_fixed_s,
                          self.cp_token_s, self.microbatch_s], dtype=np.float64)
+
+    def forward_only(self) -> CostModel:
+        """The forward-only cost of this model (eval plans; see the module docstring)."""
+        f = self.forward_fraction
+        return CostModel(
+            name=f"{self.name}/forward", linear_s_per_token=self.linear_s_per_token * f,
+            attention_s_per_token2=self.attention_s_per_token2 * f,
+            cp_fixed_s=self.cp_fixed_s / 2, cp_token_s=self.cp_token_s * f,
+            microbatch_s=self.microbatch_s, forward_fraction=1.0,
+            description=f"forward only (forward_fraction {f:.6g}) of {self.name}: "
+                        f"{self.description}".rstrip(": "))
 
     def group_time(self, cp_size: int, padded: NDArray[np.integer] | list[int]) -> float:
         """Per-rank seconds of one group of size ``cp_size`` holding ``padded`` lengths."""
@@ -88,13 +115,18 @@ class CostModel:
             raise ValueError(f"{source}: 'parameters' must be an object")
         known = {"linear_s_per_token", "attention_s_per_token2", "cp_fixed_s", "cp_token_s",
                  "microbatch_s"}
-        unknown = set(params) - known - {"name", "description"}
+        unknown = set(params) - known - {"name", "description", "forward_fraction"}
         if unknown:
             raise ValueError(f"{source}: unknown cost-model parameters {sorted(unknown)}")
         missing = {"linear_s_per_token", "attention_s_per_token2"} - set(params)
         if missing:
             raise ValueError(f"{source}: missing cost-model parameters {sorted(missing)}")
+        fraction = d.get("forward_fraction", params.get("forward_fraction",
+                                                        DEFAULT_FORWARD_FRACTION))
+        if not isinstance(fraction, (int, float)):
+            raise ValueError(f"{source}: forward_fraction must be a number, got {fraction!r}")
         return cls(name=str(d.get("name", source)), description=str(d.get("description", "")),
+                   forward_fraction=float(fraction),
                    **{k: float(v) for k, v in params.items() if k in known})
 
 

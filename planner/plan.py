@@ -6,7 +6,9 @@ and cost model give the same arrays and (through io.write_plan) a byte-identical
 Flow per epoch: ``draw_global_batches`` (eligible samples in permutation order) -> each batch's
 samples become segments (one per sample; several for a sample the ``split`` policy cuts) ->
 ``greedy.assign_step`` per step (``parallel.plan_steps``: in ``workers`` processes, same result)
--> the step's rows. A step may reorder its own samples, never another's.
+-> the step's rows. A step may reorder its own samples, never another's. An eval plan
+(``config.kind == "eval"``) is one pass in file order (``eval_global_batches``), planned with
+the cost model's forward-only cost (``CostModel.forward_only``).
 
 Long sequences: a sample fits when some allowed group size holds it after padding. Otherwise the
 policy decides: ``error`` raises naming the sample; ``split`` cuts it into segments of
@@ -31,6 +33,7 @@ from planner.cost import CostModel
 from planner.groups import MAX_SEGMENT_TOKENS, pad_multiple
 from planner.planfile.schema import (
     COLUMN_NAMES,
+    EVAL,
     DatasetInfo,
     ParallelInfo,
     PlanHeader,
@@ -39,7 +42,7 @@ from planner.planfile.schema import (
     step_batch,
 )
 from planner.planfile.stats import min_padded, plan_stats
-from planner.solver.batches import draw_global_batches
+from planner.solver.batches import draw_global_batches, eval_global_batches
 from planner.solver.greedy import PackingParams
 from planner.solver.parallel import StepJobs, plan_steps
 
@@ -158,12 +161,21 @@ def make_plan(table: LengthTable, config: PlannerConfig, cost: CostModel, *,
     """
     lengths = np.asarray(table.lengths, dtype=np.int64)
     policy = apply_long_policy(lengths, config)
+    if config.kind == EVAL:
+        # No backward in an evaluation: plan (and score) it with the forward-only cost.
+        cost = cost.forward_only()
     params = PackingParams.from_config(config, cost)
     eligible = policy.tokens > 0
-    draws = [draw_global_batches(policy.tokens, eligible, seed=config.seed, epoch=e,
-                                 global_batch_size=config.global_batch_size,
-                                 global_batch_tokens=config.global_batch_tokens,
-                                 drop_last=config.drop_last) for e in range(config.epochs)]
+    if config.kind == EVAL:
+        draws = [(eval_global_batches(policy.tokens, eligible,
+                                      global_batch_size=config.global_batch_size,
+                                      global_batch_tokens=config.global_batch_tokens),
+                  np.zeros(0, dtype=np.int64))]
+    else:
+        draws = [draw_global_batches(policy.tokens, eligible, seed=config.seed, epoch=e,
+                                     global_batch_size=config.global_batch_size,
+                                     global_batch_tokens=config.global_batch_tokens,
+                                     drop_last=config.drop_last) for e in range(config.epochs)]
     total_steps = sum(len(b) for b, _ in draws)
     parts: list[tuple[NDArray[np.int64], ...]] = []
     epochs: list[tuple[int, int]] = []
@@ -234,5 +246,6 @@ def make_plan(table: LengthTable, config: PlannerConfig, cost: CostModel, *,
         stats=stats,
         epochs=tuple(epochs),
         solver=params.header(),
+        kind=config.kind,
     )
     return Plan(header=header, steps=steps)

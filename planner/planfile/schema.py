@@ -1,9 +1,10 @@
-"""The plan file's contract (docs/PLAN_FORMAT.md, format version 1): columns, Arrow schema, header.
+"""The plan file's contract (docs/PLAN_FORMAT.md, format version 2): columns, Arrow schema, header.
 
 Every invariant of the contract is checked by ``planner.planfile.validate.validate``.
 
 Header: schema metadata key ``dcp.plan`` holding a UTF-8 JSON object (keys sorted, so the bytes are
-deterministic). Readers reject a format version they do not know, naming both versions.
+deterministic). Readers reject a format version they do not know, naming both versions; they
+read every version in ``READABLE_VERSIONS`` (version 1 has no ``kind``: it reads as ``train``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,14 @@ import numpy as np
 import pyarrow as pa
 from numpy.typing import NDArray
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+"""Format versions this reader accepts (the version-1 plans in plans/golden must keep reading)."""
+TRAIN = "train"
+EVAL = "eval"
+PLAN_KINDS = (TRAIN, EVAL)
+"""Header ``kind``: a training plan (epochs of shuffled global batches, one per optimizer step) or
+an evaluation plan (one pass over the dataset in file order, the last partial batch kept)."""
 HEADER_KEY = b"dcp.plan"
 CREATOR = "dcp-planner"
 CREATOR_VERSION = "0.1.0"
@@ -85,6 +93,8 @@ class PlanHeader:
     epochs: tuple[tuple[int, int], ...] = ()
     """Per epoch (first_step, num_steps); steps of different epochs never share a sample."""
     solver: dict[str, Any] = field(default_factory=dict)
+    kind: str = TRAIN
+    """``train`` or ``eval`` (PLAN_KINDS); absent in version 1, which reads as ``train``."""
     format_version: int = FORMAT_VERSION
     creator: dict[str, str] = field(
         default_factory=lambda: {"name": CREATOR, "version": CREATOR_VERSION}
@@ -110,10 +120,11 @@ class PlanHeader:
         if not isinstance(d, dict):
             raise ValueError(f"{source}: header is not a JSON object")
         version = d.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise ValueError(
                 f"{source}: plan format version {version!r} is not supported "
-                f"(this dcp-planner reads version {FORMAT_VERSION})"
+                f"(this dcp-planner reads versions "
+                f"{', '.join(str(v) for v in READABLE_VERSIONS)})"
             )
         try:
             return cls(
@@ -128,6 +139,7 @@ class PlanHeader:
                 stats=dict(d["stats"]),
                 epochs=tuple((int(a), int(b)) for a, b in d.get("epochs", [])),
                 solver=dict(d.get("solver", {})),
+                kind=str(d.get("kind", TRAIN)),
                 format_version=int(version),
                 creator=dict(d.get("creator", {})),
             )

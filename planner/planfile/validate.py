@@ -13,7 +13,14 @@ import pyarrow as pa
 from numpy.typing import NDArray
 
 from planner.groups import LAYOUTS, pad_multiple, valid_cp_sizes
-from planner.planfile.schema import COLUMN_NAMES, PlanHeader, column_numpy, fingerprint_lengths
+from planner.planfile.schema import (
+    COLUMN_NAMES,
+    EVAL,
+    PLAN_KINDS,
+    PlanHeader,
+    column_numpy,
+    fingerprint_lengths,
+)
 
 
 class _Errors:
@@ -168,8 +175,38 @@ def _check_coverage(
                     f"of {int(want[j])}")
 
 
+def _check_eval_step(i: int, sample: NDArray[Any], last_max: int, header: PlanHeader,
+                     err: _Errors) -> int:
+    """Eval order: step i's samples all follow step i-1's in file order; returns the new max.
+
+    With coverage (every sample once), this makes each step a consecutive run of the dataset's
+    samples in file order. With a sample-count batch every step but the last holds exactly
+    ``global_batch.size`` samples and the last at most that many (it is kept, never dropped).
+    """
+    real = np.unique(sample[sample >= 0])
+    if real.size == 0:
+        return last_max
+    if int(real[0]) <= last_max:
+        err.add(f"step {i}: eval plan out of file order: sample {int(real[0])} after sample "
+                f"{last_max} of an earlier step")
+    size = int(header.global_batch.get("size") or 0)
+    if size > 0 and (real.size > size or (i + 1 < header.num_steps and real.size != size)):
+        err.add(f"step {i}: eval step holds {real.size} samples, the global batch size is {size}"
+                " (only the last step may hold fewer)")
+    return max(last_max, int(real[-1]))
+
+
 def _check_header(header: PlanHeader, err: _Errors) -> None:
     """The header fields the row checks rely on (a bad one would crash them or skip steps)."""
+    if header.kind not in PLAN_KINDS:
+        err.add(f"header: kind {header.kind!r} is not one of {', '.join(PLAN_KINDS)}")
+    if header.kind == EVAL:
+        # An evaluation is one pass in file order with every sample kept: no epochs, no drops.
+        if len(header.epochs) != 1:
+            err.add(f"header: an eval plan is one pass, the header lists {len(header.epochs)} "
+                    "epochs")
+        if header.global_batch.get("drop_last"):
+            err.add("header: an eval plan keeps its last partial batch (drop_last is set)")
     p = header.parallel
     for name in ("dp", "cp", "tp", "pp", "vpp", "pool_size", "microbatch_group_size"):
         if not isinstance(getattr(p, name), int) or getattr(p, name) < 1:
@@ -217,6 +254,9 @@ def validate(
 ) -> None:
     """Check every invariant of PLAN_FORMAT.md; raise ValueError listing the first problems.
 
+    Eval plans (header ``kind: eval``) also hold the eval rules: one pass, no dropped last
+    batch, and every sample exactly once in file order across steps.
+
     Args:
         header: the plan header.
         steps: the record batches, batch i holding step i (a list or anything indexable).
@@ -237,10 +277,13 @@ def validate(
     err.raise_if_any(source)
     for e, (first, count) in enumerate(header.epochs):
         segs = []
+        last_max = -1
         for i in range(first, first + count):
             b = steps[i]
             cols = {n: column_numpy(b, n) for n in COLUMN_NAMES}
             _check_step(i, cols, header, err)
+            if header.kind == EVAL:
+                last_max = _check_eval_step(i, cols["sample_index"], last_max, header, err)
             segs.append((cols["sample_index"], cols["token_offset"], cols["num_tokens"]))
         _check_coverage(header, segs, lengths, e, err)
         err.raise_if_any(source)

@@ -8,6 +8,8 @@ Invariants:
   on one machine is the plan made on another.
 - Global batches take eligible samples in permutation order and never reorder them; the planner
   may reorder samples *within* a step but never moves one to another step.
+- Evaluation batches (``eval_global_batches``) take the eligible samples in file order, one
+  pass, and keep the last partial batch: the same cutting rule, without the permutation.
 
 Trade-off: hashing then sorting costs O(n log n) per epoch (0.1-0.3 s at a million samples),
 more than a shuffle, and buys a permutation defined by a formula rather than by a library.
@@ -107,14 +109,40 @@ def draw_global_batches(
         (batches, undrawn): the batches' sample indices in permutation order, and the eligible
         samples that were not drawn (the dropped final batch; empty unless ``drop_last``).
     """
+    lengths, eligible = _check(lengths, eligible, global_batch_size, global_batch_tokens)
+    perm = epoch_permutation(len(lengths), seed, epoch)
+    return _cut(lengths, perm[eligible[perm]], global_batch_size, global_batch_tokens, drop_last)
+
+
+def eval_global_batches(lengths: NDArray[np.int64], eligible: NDArray[np.bool_], *,
+                        global_batch_size: int = 0, global_batch_tokens: int = 0
+                        ) -> list[NDArray[np.int64]]:
+    """An evaluation pass: the eligible samples in file order, cut as ``draw_global_batches``
+    cuts, the last partial batch kept (every eligible sample is in exactly one batch).
+
+    Example (size mode, B = 4): eligible samples 0..9 give [0 1 2 3], [4 5 6 7], [8 9].
+    """
+    lengths, eligible = _check(lengths, eligible, global_batch_size, global_batch_tokens)
+    order = np.flatnonzero(eligible).astype(np.int64)
+    batches, _ = _cut(lengths, order, global_batch_size, global_batch_tokens, drop_last=False)
+    return batches
+
+
+def _check(lengths: NDArray[np.int64], eligible: NDArray[np.bool_], global_batch_size: int,
+           global_batch_tokens: int) -> tuple[NDArray[np.int64], NDArray[np.bool_]]:
     lengths = np.asarray(lengths, dtype=np.int64)
     eligible = np.asarray(eligible, dtype=np.bool_)
     if lengths.shape != eligible.shape:
         raise ValueError(f"lengths {lengths.shape} and eligible {eligible.shape} differ in shape")
     if (global_batch_size > 0) == (global_batch_tokens > 0):
         raise ValueError("give exactly one of global_batch_size and global_batch_tokens (> 0)")
-    perm = epoch_permutation(len(lengths), seed, epoch)
-    order = perm[eligible[perm]]
+    return lengths, eligible
+
+
+def _cut(lengths: NDArray[np.int64], order: NDArray[np.int64], global_batch_size: int,
+         global_batch_tokens: int, drop_last: bool
+         ) -> tuple[list[NDArray[np.int64]], NDArray[np.int64]]:
+    """Cut ``order`` into global batches (see ``draw_global_batches``); (batches, undrawn)."""
     if global_batch_size > 0:
         ends = np.arange(global_batch_size, len(order), global_batch_size, dtype=np.int64)
         ends = np.append(ends, len(order)) if len(order) else ends

@@ -3,14 +3,17 @@
 ``plan_reader`` (memory-mapped plan, job and dataset checks) and ``tokens`` (token sources:
 JSONL, Parquet/Arrow, Megatron) feed ``replay.Replayer``, which builds each microbatch with
 ``batch`` and shards it with ``shard`` (zigzag / contiguous index math, ``cu_seqlens``).
+``evaluation.EvalSchedule`` replays an eval plan as a finite pass that ends on every rank at the
+same microbatch, for any training loop.
 """
 
 from __future__ import annotations
 
 from runtime.data.batch import MicrobatchInputs
+from runtime.data.evaluation import EvalMicrobatch, EvalSchedule, check_eval_layout
 from runtime.data.plan_reader import PlanReader
 from runtime.data.replay import Microbatch, Replayer
 from runtime.data.tokens import TokenSource, open_token_source
 
-__all__ = ["Microbatch", "MicrobatchInputs", "PlanReader", "Replayer", "TokenSource",
-           "open_token_source"]
+__all__ = ["EvalMicrobatch", "EvalSchedule", "Microbatch", "MicrobatchInputs", "PlanReader",
+           "Replayer", "TokenSource", "check_eval_layout", "open_token_source"]

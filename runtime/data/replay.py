@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from runtime.data.batch import MicrobatchInputs, build_microbatch
-from runtime.data.plan_reader import GroupRows, PlanReader
+from runtime.data.plan_reader import GroupRows, PlanReader, StepPlan
 from runtime.data.tokens import TokenSource
 from runtime.dist.topology import Topology
 
@@ -85,19 +85,19 @@ class Replayer:
     def microbatches(self, step: int) -> list[Microbatch]:
         """This rank's microbatches of ``step``, in the order they must run."""
         plan = self.reader.step(step)
-        out = []
-        for m in range(plan.num_microbatches):
-            rows = plan.group_for(m, self.pool_rank)
-            inputs = build_microbatch(rows, self.source, layout=self.reader.layout,
-                                      is_first_stage=self.is_first_stage,
-                                      is_last_stage=self.is_last_stage)
-            group = None
-            if self.catalog is not None and rows.cp_size > 1:
-                group = self.catalog.cp_group(rows.rank_start, rows.cp_size)
-            ranks = self._global_ranks(rows.rank_start, rows.cp_size)
-            out.append(Microbatch(inputs=inputs, cp_group=group, cp_global_ranks=ranks,
-                                  rows=rows))
-        return out
+        return [self.microbatch(plan, m) for m in range(plan.num_microbatches)]
+
+    def microbatch(self, plan: StepPlan, m: int) -> Microbatch:
+        """This rank's microbatch ``m`` of a step (``reader.step(i)``), for lazy iteration."""
+        rows = plan.group_for(m, self.pool_rank)
+        inputs = build_microbatch(rows, self.source, layout=self.reader.layout,
+                                  is_first_stage=self.is_first_stage,
+                                  is_last_stage=self.is_last_stage)
+        group = None
+        if self.catalog is not None and rows.cp_size > 1:
+            group = self.catalog.cp_group(rows.rank_start, rows.cp_size)
+        ranks = self._global_ranks(rows.rank_start, rows.cp_size)
+        return Microbatch(inputs=inputs, cp_group=group, cp_global_ranks=ranks, rows=rows)
 
     def steps(self, start: int = 0) -> Iterator[tuple[int, list[Microbatch]]]:
         """``(step, microbatches)`` from ``start`` (a resumed run) to the end of the plan."""

@@ -29,7 +29,7 @@ def test_plan_summary_validate_show(tmp_path: Path, capsys: pytest.CaptureFixtur
     for word in ("steps", "microbatches per step", "padding", "slot fill", "lower bound", "speed"):
         assert word in text
     assert main(["validate", str(out), str(SAMPLE)]) == 0
-    assert "valid (20 steps" in capsys.readouterr().out
+    assert "valid train plan (20 steps" in capsys.readouterr().out
     assert main(["show", str(out), "--steps", "0:3"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].split()[:3] == ["step", "microbatches", "groups"]

@@ -76,9 +76,9 @@ def test_dropped_and_truncated_samples_are_honoured() -> None:
 
 
 def test_unknown_format_version_is_refused(tmp_path) -> None:  # noqa: ANN001
-    h = handmade.header(format_version=2)
-    path = write_plan(tmp_path / "v2.arrow", h, batches(h))
-    with pytest.raises(ValueError, match="format version 2 is not supported.*reads version 1"):
+    h = handmade.header(format_version=3)
+    path = write_plan(tmp_path / "v3.arrow", h, batches(h))
+    with pytest.raises(ValueError, match="format version 3 is not supported.*reads versions 1, 2"):
         PlanFile(path)
 
 

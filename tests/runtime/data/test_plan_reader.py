@@ -114,13 +114,13 @@ def test_unknown_format_version(tmp_path: Path, plan: Path) -> None:
     with pa.memory_map(str(plan)) as src:
         table = ipc.open_file(src).read_all()
     meta = json.loads(table.schema.metadata[HEADER_KEY])
-    meta["format_version"] = 2
+    meta["format_version"] = 3
     table = table.replace_schema_metadata({HEADER_KEY: json.dumps(meta).encode()})
-    path = tmp_path / "v2.arrow"
+    path = tmp_path / "v3.arrow"
     with pa.OSFile(str(path), "wb") as sink, ipc.new_file(sink, table.schema) as w:
         w.write_table(table)
-    with pytest.raises(ValueError, match="version 2 is not supported .this dcp-planner reads "
-                                         "version 1"):
+    with pytest.raises(ValueError, match="version 3 is not supported .this dcp-planner reads "
+                                         "versions 1, 2"):
         PlanReader(path)
 
 
