@@ -2,7 +2,7 @@
 # One entry point for the README's two commands.
 #   scripts/dev.sh plan   set up .venv and run dcp-plan on the bundled sample dataset
 #   scripts/dev.sh test   set up .venv and run the whole CPU test suite (slow tests included)
-#   scripts/dev.sh setup  only set up .venv
+#   scripts/dev.sh setup  only set up .venv (the dev and megatron extras)
 # Setup is idempotent: it reinstalls only when pyproject.toml changed. torch is pinned to the
 # CPU wheel these machines carry (TORCH_SPEC overrides it; an unpinned torch pulls a CUDA build).
 set -euo pipefail
@@ -19,7 +19,11 @@ setup() {
   if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     .venv/bin/python -m pip install -q --upgrade pip >/dev/null
     .venv/bin/python -m pip install -q "$TORCH_SPEC"
-    .venv/bin/python -m pip install -q -e '.[dev]'
+    # The constraint keeps every later install from replacing that torch (megatron-core asks
+    # for torch>=2.6: an unpinned resolution could pull a multi-GB CUDA build).
+    local pin=.venv/.torch-constraint.txt
+    echo "$TORCH_SPEC" > "$pin"
+    .venv/bin/python -m pip install -q -c "$pin" -e '.[dev,megatron]'
     echo "$want" > "$stamp"
   fi
 }

@@ -37,7 +37,7 @@ from runtime.train.common import (
 from runtime.train.model import GPTConfig, check_token_ids, sequence_attention
 
 
-def _sequences_of_step(reader: PlanReader, source: TokenSource, step: int, vocab_size: int = 0
+def sequences_of_step(reader: PlanReader, source: TokenSource, step: int, vocab_size: int = 0
                        ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(tokens, labels, loss mask) of every sample segment of ``step``, in plan order.
 
@@ -85,7 +85,7 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
             t0 = time.perf_counter()
             optimizer.zero_grad(set_to_none=False)
             total, count, tokens = 0.0, 0.0, 0
-            for seq, labels, mask in _sequences_of_step(reader, source, step,
+            for seq, labels, mask in sequences_of_step(reader, source, step,
                                                         model_config.vocab_size):
                 seq, labels, mask = seq.to(device), labels.to(device), mask.to(device)
                 with autocast_context(cfg, device):

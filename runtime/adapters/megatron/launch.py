@@ -1,0 +1,39 @@
+"""``dcp-train --framework megatron``: parsed flags -> a Megatron run (or its oracle) -> status.
+
+Launch like the native run: ``torchrun --nproc-per-node N -m runtime.train --framework megatron
+--plan P --dataset D`` (gloo on CPU, NCCL with ``--device cuda``); ``--reference`` in one plain
+process. The plan header gives dp, cp, tp, pp, vpp and sequence parallelism; the model shape
+comes from the usual model flags. Errors a user can fix are ``ValueError``s (the CLI prints them
+and exits 2).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+from runtime.adapters.megatron.oracle import train_reference
+from runtime.adapters.megatron.train import MegatronTrainer
+from runtime.train.common import TrainConfig, init_process_group
+from runtime.train.model import GPTConfig
+
+
+def launch(cfg: TrainConfig, model_config: GPTConfig, *, reference: bool) -> int:
+    """Run ``cfg`` through Megatron-core (``reference``: its one-process oracle); exit status."""
+    if reference and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("--reference runs in one process; launch it without torchrun")
+    created = init_process_group(cfg.device)
+    try:
+        if reference:
+            train_reference(cfg, model_config)
+            return 0
+        trainer = MegatronTrainer(cfg, model_config)
+        try:
+            trainer.run()
+        finally:
+            trainer.close()
+    finally:
+        if created:
+            dist.destroy_process_group()
+    return 0

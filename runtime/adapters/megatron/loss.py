@@ -1,0 +1,52 @@
+"""The per-token loss in Megatron's ``calculate_per_token_loss`` contract.
+
+With ``TransformerConfig.calculate_per_token_loss=True`` a ``forward_step_func`` returns
+``(output, loss_func)`` and ``loss_func(output)`` returns ``(loss_sum, num_tokens, report)``:
+the *sum* of the microbatch's token losses (what the backward starts from), the number of tokens
+it counts, and ``{"lm loss": [loss_sum, num_tokens]}`` for logging. The schedule adds up
+``num_tokens`` over the step's microbatches and ``finalize_model_grads`` all-reduces it over the
+pool (``pg_collection.dp_cp``) and divides every gradient by it, so the gradient is that of the
+mean token loss of the global batch, whatever CP sizes the step used (a group of k ranks splits
+its tokens and its loss k ways alike). The older ``loss * cp_size / num_microbatches`` scaling
+would be wrong here: the CP size changes per microbatch and microbatches hold unequal token
+counts (``runtime.train.loss`` gives the worked example).
+
+The logits come gathered over the TP ranks (``runtime_gather_output=True``), so the loss is a
+plain cross entropy: Megatron 0.16.1's vocab-parallel cross entropy reads the TP group from the
+global ``parallel_state`` and cannot run on a model built from a ``pg_collection``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from runtime.train.loss import per_token_loss
+
+
+def loss_func(labels: Tensor, loss_mask: Tensor, output: Tensor
+              ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """Megatron's per-token loss triple for one microbatch.
+
+    Args:
+        labels: int64 ``[1, T]`` (the batch's ``labels``).
+        loss_mask: ``[1, T]``, 1 where the token's loss counts.
+        output: the model's logits ``[1, T, V]`` (all of the vocabulary).
+
+    Returns:
+        ``(loss_sum, num_tokens, {"lm loss": [loss_sum, num_tokens]})``: a float32 0-d tensor
+        carrying the gradient, an int32 0-d count (the schedules sum counts in int32) and a
+        float64 pair for logging.
+    """
+    logits = output.reshape(-1, output.shape[-1])
+    loss_sum, count = per_token_loss(logits, labels.reshape(-1), loss_mask.reshape(-1))
+    num_tokens = count.to(torch.int)
+    report = torch.stack([loss_sum.detach().double(), count.double()])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def sequence_loss(logits: Tensor, labels: Tensor, loss_mask: Tensor) -> Tensor:
+    """The oracle's summed loss of one whole sequence (logits ``[1, S, V]``)."""
+    losses = F.cross_entropy(logits[0].float(), labels, reduction="none")
+    return (losses * loss_mask).sum()

@@ -1,0 +1,197 @@
+"""A Megatron-core ``GPTModel`` from ``dcp-train``'s model-shape flags, with split-proof weights.
+
+The same shape as ``runtime.train.model.GPT`` (Llama-like: RMSNorm, GQA attention with RoPE,
+SwiGLU MLP, no biases, no dropout, tied embeddings unless ``--untied``), but Megatron's modules:
+``TransformerConfig`` + a layer spec + ``GPTModel``, one model chunk per virtual pipeline stage.
+The spec is Megatron's local one with two pieces swapped (``runtime.adapters.megatron.
+attention``): the core attention (``PlanCoreAttention`` for packed plan microbatches,
+``SequenceCoreAttention`` for the oracle) and the norm (``SequenceParallelRMSNorm``, since the
+torch fallback refuses sequence parallelism). With ``attention="te"`` (GPU) it is Megatron's
+Transformer Engine spec, whose ``TEDotProductAttention`` takes the CP group from
+``PackedSeqParams``.
+
+Initial weights (``init_weights``) do not depend on the tp/pp/vpp split: every parameter is a
+slice of one full tensor drawn from a generator seeded by (seed, the parameter's global name),
+where the global name numbers layers globally (``decoder.layers.<layer_number - 1>``) and the
+last stage's copy of tied embeddings is named ``embedding.word_embeddings.weight``. TP slices
+follow Megatron's partition dims; the SwiGLU ``linear_fc1`` holds [gate; up], so each TP rank
+takes its slice of each half. So a pp 2 x tp 2 run and the one-process oracle start from the same
+function. Megatron's own init would draw different numbers for each split.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.adapters.megatron import mcore
+from runtime.adapters.megatron.attention import (
+    PlanCoreAttention,
+    SequenceCoreAttention,
+    SequenceParallelRMSNorm,
+)
+from runtime.train.model import GPTConfig
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelParallel:
+    """How the model is split (from the plan header), and the training dtype."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    sequence_parallel: bool = False
+    microbatch_group_size: int = 1
+    """Megatron's ``microbatch_group_size_per_vp_stage`` (the plan's, default pp)."""
+    dtype: torch.dtype = torch.float32
+    """Autocast dtype of the forward (fp32 master weights either way)."""
+
+
+def transformer_config(model: GPTConfig, par: ModelParallel) -> mcore.TransformerConfig:
+    """Megatron's ``TransformerConfig`` for ``model`` split as ``par``."""
+    if model.vocab_size % par.tp:
+        raise ValueError(f"vocab size {model.vocab_size} must be a multiple of tp {par.tp}")
+    if model.num_query_groups % par.tp:
+        raise ValueError(f"query groups {model.num_query_groups} must be a multiple of tp "
+                         f"{par.tp}")
+    stages = par.pp * par.vpp
+    if model.num_layers % stages:
+        raise ValueError(f"{model.num_layers} layers do not split into pp {par.pp} x vpp "
+                         f"{par.vpp} stages")
+    return mcore.TransformerConfig(
+        num_layers=model.num_layers, hidden_size=model.hidden_size,
+        num_attention_heads=model.num_heads, num_query_groups=model.num_query_groups,
+        kv_channels=model.head_dim, ffn_hidden_size=model.ffn_size,
+        normalization="RMSNorm", layernorm_epsilon=model.norm_eps, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        init_method_std=model.init_std,
+        # No fused kernels (CPU, and bit-for-bit with the oracle); weights are set by
+        # init_weights, so Megatron's own initialisation is skipped.
+        bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False,
+        use_cpu_initialization=True, perform_initialization=False,
+        params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=par.tp, sequence_parallel=par.sequence_parallel,
+        pipeline_model_parallel_size=par.pp,
+        virtual_pipeline_model_parallel_size=par.vpp if par.vpp > 1 else None,
+        microbatch_group_size_per_vp_stage=par.microbatch_group_size if par.vpp > 1 else None,
+        # Per-token loss (the plan's CP sizes vary); THD lengths vary between microbatches.
+        calculate_per_token_loss=True, variable_seq_lengths=True,
+        # 0.16.1 rejects variable_seq_lengths with the default MoE dispatcher even for a dense
+        # model (transformer_config.py); the dispatcher is unused here.
+        moe_token_dispatcher_type="alltoall",
+        # The default "full" only triggers a deprecation warning; no CUDA graphs are used.
+        cuda_graph_scope=[],
+        batch_p2p_sync=False,
+    )
+
+
+def layer_spec(config: mcore.TransformerConfig, *, attention: str, vp_stage: int | None,
+               pp_rank: int) -> object:
+    """The block spec of one model chunk: ``plan`` (packed, ours), ``sequence`` (oracle) or
+    ``te`` (Megatron's Transformer Engine spec, GPU)."""
+    if attention == "te":
+        return mcore.te_layer_spec()
+    spec = mcore.get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False,
+                                          normalization="RMSNorm")
+    core = {"plan": PlanCoreAttention, "sequence": SequenceCoreAttention}[attention]
+    spec.submodules.self_attention.submodules.core_attention = core
+    spec.submodules.input_layernorm = SequenceParallelRMSNorm
+    spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    num = mcore.get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return mcore.TransformerBlockSubmodules(layer_specs=[spec] * num,
+                                            layer_norm=SequenceParallelRMSNorm)
+
+
+def build_chunks(model: GPTConfig, config: mcore.TransformerConfig,
+                 pg_collection: mcore.ProcessGroupCollection, *, attention: str, pp_rank: int,
+                 max_sequence_length: int) -> list[nn.Module]:
+    """This pipeline rank's model chunks (one per virtual stage), weights not yet set."""
+    pp = config.pipeline_model_parallel_size
+    vpp = config.virtual_pipeline_model_parallel_size or 1
+    # Built without the embedding group: GPTModel would all-reduce the tied embedding copies
+    # through .cuda() (language_module.py); init_weights writes equal copies on both stages, and
+    # the schedules still get the real group for the gradient all-reduce.
+    build_pgc = _with(pg_collection, embd=None)
+    chunks: list[nn.Module] = []
+    for c in range(vpp):
+        vp_stage = c if vpp > 1 else None
+        spec = layer_spec(config, attention=attention, vp_stage=vp_stage, pp_rank=pp_rank)
+        chunks.append(mcore.GPTModel(
+            config, spec, vocab_size=model.vocab_size, max_sequence_length=max_sequence_length,
+            pre_process=pp_rank == 0 and c == 0, post_process=pp_rank == pp - 1 and c == vpp - 1,
+            share_embeddings_and_output_weights=model.tie_embeddings,
+            position_embedding_type="rope", rotary_base=int(model.rope_theta),
+            pg_collection=build_pgc, vp_stage=vp_stage))
+    return chunks
+
+
+def _with(pgc: mcore.ProcessGroupCollection, **groups: object) -> mcore.ProcessGroupCollection:
+    out = mcore.ProcessGroupCollection()
+    for name, value in vars(pgc).items():
+        setattr(out, name, value)
+    for name, value in groups.items():
+        setattr(out, name, value)
+    return out
+
+
+def _unwrap(chunk: nn.Module) -> nn.Module:
+    while hasattr(chunk, "module") and isinstance(chunk.module, nn.Module):
+        chunk = chunk.module
+    return chunk
+
+
+def global_names(chunk: nn.Module) -> dict[str, str]:
+    """Local parameter name -> the name it has in the unsplit model (see module docstring)."""
+    inner = _unwrap(chunk)
+    out = {}
+    decoder = getattr(inner, "decoder", None)
+    layers = list(decoder.layers) if decoder is not None else []
+    for name, _ in inner.named_parameters():
+        g = name
+        if name.startswith("decoder.layers."):
+            local, rest = name[len("decoder.layers."):].split(".", 1)
+            g = f"decoder.layers.{layers[int(local)].layer_number - 1}.{rest}"
+        elif name == "output_layer.weight" and getattr(inner, "share_embeddings_and_output_weights",
+                                                       False):
+            g = "embedding.word_embeddings.weight"  # the last stage's copy of tied embeddings
+        out[name] = g
+    return out
+
+
+def _full(name: str, shape: tuple[int, ...], model: GPTConfig, seed: int) -> torch.Tensor:
+    if len(shape) == 1:
+        return torch.ones(shape)  # RMSNorm scales
+    gen = torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + zlib.crc32(name.encode()))
+                                                    % (1 << 63))
+    std = model.init_std
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        std /= math.sqrt(2 * model.num_layers)  # residual outputs scaled, as Megatron does
+    return torch.randn(shape, generator=gen, dtype=torch.float32) * std
+
+
+@torch.no_grad()
+def init_weights(chunks: list[nn.Module], model: GPTConfig, *, seed: int, tp: int,
+                 tp_rank: int) -> None:
+    """Set every parameter to its slice of the split-independent full tensor."""
+    for chunk in chunks:
+        inner = _unwrap(chunk)
+        names = global_names(inner)
+        for name, p in inner.named_parameters():
+            partitioned = bool(getattr(p, "tensor_model_parallel", False))
+            dim = int(getattr(p, "partition_dim", 0))
+            shape = list(p.shape)
+            if partitioned:
+                shape[dim] *= tp
+            full = _full(names[name], tuple(shape), model, seed)
+            if partitioned and tp > 1:
+                if name.endswith("mlp.linear_fc1.weight"):  # [gate; up]: a slice of each half
+                    full = torch.cat([h.chunk(tp, dim=0)[tp_rank] for h in full.chunk(2, dim=0)])
+                else:
+                    full = full.chunk(tp, dim=dim)[tp_rank]
+            p.copy_(full.to(p.dtype))

@@ -1,0 +1,274 @@
+"""Workarounds for megatron-core 0.16.1, in one place: one function per workaround.
+
+Two kinds:
+
+- **CPU** (``apply_cpu_patches``, only when training on the CPU): Megatron-core assumes CUDA in
+  a few device arguments and RNG calls; nothing numeric changes. Each patched upstream module
+  gets its own ``torch`` name bound to ``_TorchView``, a view of torch whose ``torch.cuda.
+  current_device()`` answers ``"cpu"``, whose ``torch.cuda.synchronize()`` does nothing and whose
+  ``torch.zeros(..., device="cuda")`` allocates on the CPU. Only the named modules see it; torch
+  itself is untouched.
+- **Any device** (``apply_common_patches``): upstream behaviour that is wrong for this use on
+  every backend: the padding-mask scatter that ignores the caller's TP group, and pipeline
+  messages that gloo cannot tell apart with two pipeline stages.
+
+Each function says which upstream file it works around and why; all are idempotent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from runtime.adapters.megatron import mcore
+
+_applied: set[str] = set()
+
+
+def _once(name: str, fn: Callable[[], None]) -> None:
+    if name not in _applied:
+        fn()
+        _applied.add(name)
+
+
+class _CpuCuda:
+    """``torch.cuda`` as CPU-only code needs it: a device name and a no-op synchronize."""
+
+    @staticmethod
+    def current_device() -> str:
+        return "cpu"
+
+    @staticmethod
+    def synchronize(device: object = None) -> None:
+        del device
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+
+class _TorchView(types.ModuleType):
+    """``torch`` as one upstream module sees it: torch itself, plus what the patches change.
+
+    On the CPU (``send_cuda_to_cpu``) ``cuda`` is ``_CpuCuda`` and ``zeros(..., device="cuda")``
+    allocates on the CPU; with ``pipeline_messages_tagged`` ``distributed`` tags P2P messages.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.on_cpu = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    def send_cuda_to_cpu(self) -> None:
+        self.on_cpu = True
+        self.cuda = _CpuCuda()
+
+    def zeros(self, *size: Any, device: object = None, **kwargs: Any) -> torch.Tensor:
+        if self.on_cpu and device == "cuda":
+            device = "cpu"
+        out: torch.Tensor = torch.zeros(*size, device=device, **kwargs)  # type: ignore[call-overload]
+        return out
+
+
+def _view(module: types.ModuleType) -> _TorchView:
+    view = getattr(module, "torch", None)
+    if not isinstance(view, _TorchView):
+        view = _TorchView()
+        module.torch = view  # type: ignore[attr-defined]
+    return view
+
+
+def _redirect(module: types.ModuleType) -> None:
+    _view(module).send_cuda_to_cpu()
+
+
+def schedules_token_count_on_cpu() -> None:
+    # pipeline_parallel/schedules.py: every schedule sums the per-token loss counts into
+    # torch.zeros([], device="cuda").
+    _redirect(mcore.schedules)
+
+
+def p2p_buffers_on_cpu() -> None:
+    # pipeline_parallel/p2p_communication.py: shape and receive buffers on
+    # torch.cuda.current_device(), and torch.cuda.synchronize() after the shape exchange.
+    _redirect(mcore.p2p_communication)
+
+
+def sequence_parallel_buffers_on_cpu() -> None:
+    # tensor_parallel/mappings.py (all-gather / reduce-scatter outputs) and
+    # tensor_parallel/layers.py (the sequence-parallel all-gather in the backward of the linear
+    # layers) allocate on torch.cuda.current_device().
+    _redirect(mcore.tp_mappings)
+    _redirect(mcore.tp_layers)
+
+
+def rotary_on_cpu() -> None:
+    # models/common/embeddings/rotary_pos_embedding.py: inv_freq moved to
+    # torch.cuda.current_device() unless use_cpu_initialization.
+    _redirect(mcore.rotary_pos_embedding)
+
+
+def rng_tracker_without_cuda() -> None:
+    # tensor_parallel/random.py: the training RNG tracker stores CUDA RNG states
+    # (model_parallel_cuda_manual_seed asserts CUDA) and every sequence-parallel embedding forks
+    # it. Megatron's own inference tracker forks as a no-op; with dropout 0 (the adapter's
+    # default) no random number is drawn, so nothing differs.
+    mcore.tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+class _CpuMemoryBuffer(mcore.core_utils.GlobalMemoryBuffer):  # type: ignore[misc]
+    """Megatron's scratch buffer (sequence-parallel all-gathers), allocated on the CPU."""
+
+    def get_tensor(self, tensor_shape: list[int], dtype: torch.dtype, name: str,
+                   mem_alloc_context: object = None) -> torch.Tensor:
+        del mem_alloc_context
+        need = math.prod(tensor_shape)
+        key = (name, dtype)
+        buf = self.buffer.get(key)
+        if buf is None or buf.numel() < need:
+            buf = self.buffer[key] = torch.empty(need, dtype=dtype, requires_grad=False)
+        out: torch.Tensor = buf[:need].view(*tensor_shape)
+        return out
+
+
+def memory_buffer_on_cpu() -> None:
+    # parallel_state.py / utils.py: tensor_parallel/layers.py takes its sequence-parallel
+    # all-gather buffer from parallel_state's global GlobalMemoryBuffer, which allocates on
+    # torch.cuda.current_device() (and exists only after initialize_model_parallel).
+    if mcore.parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        mcore.parallel_state._GLOBAL_MEMORY_BUFFER = _CpuMemoryBuffer()
+
+
+def ensure_memory_buffer() -> None:
+    """Megatron's global scratch buffer for sequence parallelism, on GPU (needs no parallel
+    state: ``_set_global_memory_buffer`` only creates the buffer)."""
+    if mcore.parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        mcore.parallel_state._set_global_memory_buffer()
+
+
+def apply_cpu_patches() -> None:
+    """Every CPU workaround (idempotent). Call before building the model."""
+    for fn in (schedules_token_count_on_cpu, p2p_buffers_on_cpu,
+               sequence_parallel_buffers_on_cpu, rotary_on_cpu, rng_tracker_without_cuda,
+               memory_buffer_on_cpu):
+        _once(fn.__name__, fn)
+
+
+# ---- any device -----------------------------------------------------------------------------
+
+_SP_GROUP: contextvars.ContextVar[dist.ProcessGroup | None] = contextvars.ContextVar(
+    "megatron_sp_group", default=None)
+
+
+class _TensorParallelWithGroup(types.ModuleType):
+    """``megatron.core.tensor_parallel`` whose sequence-parallel scatter defaults its group to
+    the one bound by ``sequence_parallel_group``."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(mcore.tensor_parallel, name)
+
+    @staticmethod
+    def scatter_to_sequence_parallel_region(input_: torch.Tensor,
+                                            group: dist.ProcessGroup | None = None
+                                            ) -> torch.Tensor:
+        group = group if group is not None else _SP_GROUP.get()
+        out: torch.Tensor = mcore.tensor_parallel.scatter_to_sequence_parallel_region(
+            input_, group=group)
+        return out
+
+
+def padding_mask_scatter_uses_model_group() -> None:
+    # models/gpt/gpt_model.py (_preprocess): under sequence parallelism the padding mask is
+    # scattered with tensor_parallel.scatter_to_sequence_parallel_region(mask) and no group, so a
+    # model built from a pg_collection (no global parallel state) fails with "group should not
+    # be None". The forward step binds the model's TP group around each forward.
+    mod = mcore.gpt_model_module
+    if not isinstance(mod.tensor_parallel, _TensorParallelWithGroup):
+        mod.tensor_parallel = _TensorParallelWithGroup("tensor_parallel")
+
+
+@contextlib.contextmanager
+def sequence_parallel_group(group: dist.ProcessGroup | None) -> Iterator[None]:
+    """Bind the TP group that ``padding_mask_scatter_uses_model_group`` hands upstream."""
+    token = _SP_GROUP.set(group)
+    try:
+        yield
+    finally:
+        _SP_GROUP.reset(token)
+
+
+class _Peer(int):
+    """A peer's global rank that remembers whether it is the next or the previous stage."""
+
+    direction: str = ""
+
+
+def _peer(rank: int, direction: str) -> _Peer:
+    p = _Peer(rank)
+    p.direction = direction
+    return p
+
+
+class _DistWithTags(types.ModuleType):
+    """``torch.distributed`` whose ``P2POp`` tags a message by its direction along the pipe."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+    @staticmethod
+    def P2POp(op: Callable[..., Any], tensor: torch.Tensor, peer: int | None = None,  # noqa: N802
+              group: dist.ProcessGroup | None = None, tag: int = 0) -> dist.P2POp:
+        direction = getattr(peer, "direction", "")
+        if direction:
+            # Tag 1 for messages that travel forward (sent to next, received from previous),
+            # tag 2 for those that travel backward, so a receive can only match its own kind.
+            forward = (op is dist.isend) == (direction == "next")
+            tag = 1 if forward else 2
+        return dist.P2POp(op, tensor, None if peer is None else int(peer), group, tag)
+
+
+class TaggedP2PCommunicator(mcore.P2PCommunicator):  # type: ignore[misc]
+    """Megatron's ``P2PCommunicator`` whose messages carry their direction as a tag.
+
+    Works around pipeline_parallel/p2p_communication.py with two stages: the previous and the
+    next stage are the same rank, and the interleaved schedule posts a send to it in both
+    directions in one batch (activations forward, gradients backward) with the same tag. gloo
+    matches messages by (peer, tag), so an activation shape could land in the gradient's
+    receive (seen with vpp 2 x pp 2 and variable sequence lengths). NCCL ignores tags.
+    """
+
+    def __init__(self, pp_group: dist.ProcessGroup, config: Any) -> None:
+        super().__init__(pp_group, config)
+        self.next_rank: int = _peer(int(self.next_rank), "next")
+        self.prev_rank: int = _peer(int(self.prev_rank), "prev")
+
+
+def pipeline_messages_tagged() -> None:
+    # pipeline_parallel/p2p_communication.py builds its P2POps through the module's own
+    # torch.distributed; TaggedP2PCommunicator's peers say which way each message goes.
+    view = _view(mcore.p2p_communication)
+    if not isinstance(view.__dict__.get("distributed"), _DistWithTags):
+        setattr(view, "distributed", _DistWithTags("torch.distributed"))  # noqa: B010
+
+
+def apply_common_patches() -> None:
+    """The device-independent workarounds (idempotent). Call after ``apply_cpu_patches``."""
+    for fn in (padding_mask_scatter_uses_model_group, pipeline_messages_tagged):
+        _once(fn.__name__, fn)
+
+
+def apply_patches(device: torch.device) -> None:
+    """The workarounds for training on ``device``: CPU ones first, then the common ones."""
+    if device.type == "cpu":
+        apply_cpu_patches()
+    else:
+        ensure_memory_buffer()
+    apply_common_patches()

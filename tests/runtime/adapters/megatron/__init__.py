@@ -1,0 +1,1 @@
+"""Tests of the Megatron-core adapter against the real megatron-core package."""

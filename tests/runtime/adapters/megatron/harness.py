@@ -1,0 +1,127 @@
+"""Shared pieces of the Megatron adapter tests: a dataset, plans, rank functions, comparisons.
+
+Every distributed run and every oracle run happens in fresh processes (``tests.dist``), so the
+adapter's patches to Megatron's modules never touch the test process. Parameters come back
+under their global names; TP shards are put back together here (an inverse written apart from
+the adapter's slicing) before they are compared with the oracle's full tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import torch
+
+from planner.config import ParallelConfig, PlannerConfig
+from planner.cost import load_cost_model
+from planner.plan import make_plan
+from planner.planfile.io import write_plan
+from planner.sources.lengths import read_lengths
+from runtime.train import TrainConfig, TrainResult
+from runtime.train.model import GPTConfig
+
+MODEL = GPTConfig(vocab_size=64, num_layers=2, hidden_size=32, num_heads=4, num_query_groups=2)
+STEPS = 3
+TOL = 1e-5
+
+
+def lengths(seed: int = 0, *, short: int = 36, medium: int = 8, long: int = 4,
+            capacity: int = 32) -> np.ndarray:
+    """A long-tail mix: most samples fit one rank of ``capacity``, some need 2 or 4 ranks."""
+    rng = np.random.default_rng(seed)
+    parts = [rng.integers(3, capacity - 3, size=short),
+             rng.integers(capacity + 8, 2 * capacity - 4, size=medium),
+             rng.integers(2 * capacity + 6, 4 * capacity - 8, size=long)]
+    out = np.concatenate(parts)
+    return out[rng.permutation(len(out))]
+
+
+def write_dataset(path: Path, sample_lengths: np.ndarray, vocab: int, seed: int = 1) -> Path:
+    rng = np.random.default_rng(seed)
+    seqs = [rng.integers(0, vocab, size=int(n)).astype(np.int32) for n in sample_lengths]
+    table = pa.table({"input_ids": pa.array(seqs, type=pa.list_(pa.int32()))})
+    with pa.OSFile(str(path), "wb") as sink, ipc.new_file(sink, table.schema) as w:
+        w.write_table(table, max_chunksize=16)
+    return path
+
+
+def plan(path: Path, data: Path, *, capacity: int, batch: int, **parallel: Any) -> Path:
+    config = PlannerConfig(parallel=ParallelConfig(**parallel), capacity_tokens_per_rank=capacity,
+                           global_batch_size=batch, seed=3)
+    made = make_plan(read_lengths(data), config, load_cost_model("default"))
+    return write_plan(path, made.header, made.record_batches())
+
+
+def cfg(plan_path: Path, data: Path, **kw: Any) -> TrainConfig:
+    return TrainConfig(plan=str(plan_path), dataset=str(data), steps=STEPS, seed=7, lr=3e-3,
+                       quiet=True, **kw)
+
+
+def train_rank(rank: int, world_size: int, store: str, config: TrainConfig,
+               model: GPTConfig) -> dict[str, Any]:
+    """One rank of a Megatron run: its step logs and its parameters (global names)."""
+    del store
+    from runtime.adapters.megatron import MegatronTrainer
+
+    torch.manual_seed(config.seed)
+    trainer = MegatronTrainer(config, model)
+    try:
+        result = trainer.run()
+        t = trainer.topology
+        return {"logs": result.logs, "state": trainer.state(), "tp": t.tp, "tp_rank": t.tp_rank,
+                "pool_rank": t.pool_rank}
+    finally:
+        trainer.close()
+
+
+def oracle_rank(rank: int, world_size: int, store: str, config: TrainConfig,
+                model: GPTConfig) -> TrainResult:
+    """The oracle, in its own process of a world of one."""
+    del rank, world_size, store
+    from runtime.adapters.megatron import train_reference
+
+    return train_reference(replace(config, log_jsonl=""), model, keep_state=True)
+
+
+def unshard(ranks: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Full parameters from the ranks of pool rank 0 (every TP rank, every stage)."""
+    mine = [r for r in ranks if r["pool_rank"] == 0]
+    tp = mine[0]["tp"]
+    by_name: dict[str, dict[int, torch.Tensor]] = {}
+    for r in mine:
+        for name, t in r["state"].items():
+            by_name.setdefault(name, {})[r["tp_rank"]] = t
+    out = {}
+    for name, parts in by_name.items():
+        shards = [parts[i] for i in sorted(parts)]
+        if tp == 1 or name.endswith("norm.weight"):
+            out[name] = shards[0]
+        elif name.endswith("mlp.linear_fc1.weight"):  # [gate_r; up_r] per rank
+            gates = [s.chunk(2)[0] for s in shards]
+            ups = [s.chunk(2)[1] for s in shards]
+            out[name] = torch.cat(gates + ups)
+        elif name.endswith(("linear_proj.weight", "linear_fc2.weight")):  # row parallel
+            out[name] = torch.cat(shards, dim=1)
+        else:  # column parallel and vocab parallel: dim 0
+            out[name] = torch.cat(shards, dim=0)
+    return out
+
+
+def assert_same_losses(got: list[Any], want: list[Any]) -> None:
+    assert [g.step for g in got] == [w.step for w in want] == list(range(STEPS))
+    for g, w in zip(got, want, strict=True):
+        assert g.loss_tokens == w.loss_tokens, g.step
+        assert g.tokens == w.tokens, g.step
+        assert abs(g.loss - w.loss) <= TOL * abs(w.loss), (g.step, g.loss, w.loss)
+
+
+def assert_same_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        diff = float((got[name] - want[name]).norm() / want[name].norm())
+        assert diff <= TOL, (name, diff)
