@@ -19,11 +19,11 @@ setup() {
   if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     .venv/bin/python -m pip install -q --upgrade pip >/dev/null
     .venv/bin/python -m pip install -q "$TORCH_SPEC"
-    # The constraint keeps every later install from replacing that torch (megatron-core asks
-    # for torch>=2.6: an unpinned resolution could pull a multi-GB CUDA build).
+    # The constraint keeps every later install from replacing that torch (megatron-core and
+    # torchtitan's dependencies ask for torch too: an unpinned resolution could pull a CUDA build).
     local pin=.venv/.torch-constraint.txt
     echo "$TORCH_SPEC" > "$pin"
-    .venv/bin/python -m pip install -q -c "$pin" -e '.[dev,megatron]'
+    .venv/bin/python -m pip install -q -c "$pin" -e '.[dev,megatron,torchtitan]'
     echo "$want" > "$stamp"
   fi
 }

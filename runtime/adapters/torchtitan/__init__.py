@@ -1,0 +1,40 @@
+"""torchtitan integration: replay a dynamic-CP plan in torchtitan's own trainer, with FSDP.
+
+torchtitan (pinned 0.3.0, ``pip install '.[torchtitan]'``) has one fixed "cp" mesh dimension;
+this package gives its ``Trainer`` per-microbatch CP groups from a plan:
+
+- ``PlanDataLoader``: a ``BaseDataLoader`` yielding this rank's packed microbatches in plan
+  order (positions reset per document), checkpointed as a plan position;
+- ``PlanAttention``: llama3's ``inner_attention`` replaced by the microbatch's CP attention
+  (``with_plan_attention`` does it for any llama3 config);
+- ``PlanTrainer``: torchtitan's ``Trainer`` with the step's microbatch count, the attention
+  bound per microbatch and FSDP over the whole dp x cp pool;
+- ``trainer_config`` / ``launch``: what ``dcp-train --framework torchtitan`` runs;
+  ``train_reference`` its one-process oracle.
+
+torchtitan itself is imported only by ``titan`` (with the CPU workarounds).
+"""
+
+from runtime.adapters.torchtitan.attention import PlanAttention, PlanMasks
+from runtime.adapters.torchtitan.config import trainer_config
+from runtime.adapters.torchtitan.data import PlanDataLoader, PlanTokenizer
+from runtime.adapters.torchtitan.launch import build_trainer, launch
+from runtime.adapters.torchtitan.model import llama3_config, model_spec, with_plan_attention
+from runtime.adapters.torchtitan.oracle import train_reference
+from runtime.adapters.torchtitan.trainer import PlanMetrics, PlanTrainer
+
+__all__ = [
+    "PlanAttention",
+    "PlanDataLoader",
+    "PlanMasks",
+    "PlanMetrics",
+    "PlanTokenizer",
+    "PlanTrainer",
+    "build_trainer",
+    "launch",
+    "llama3_config",
+    "model_spec",
+    "train_reference",
+    "trainer_config",
+    "with_plan_attention",
+]

@@ -1,0 +1,110 @@
+"""dcp-train's flags -> the torchtitan ``PlanTrainer.Config`` a torchtitan user would write.
+
+``trainer_config`` is the single translation; README's "Using a plan in torchtitan" shows the
+same config written by hand. Fixed choices, each forced by the plan:
+
+- ``parallelism``: FSDP over the whole pool (``data_parallel_shard_degree=-1``), torchtitan's
+  own context parallelism off (the plan's groups replace it), ``partial_dtensor`` SPMD backend
+  (torchtitan's default ``spmd_types`` refuses the adapter's plain-tensor attention inputs);
+- ``training``: one packed buffer per microbatch (``local_batch_size=1``), ``seq_len`` = the
+  longest padded segment a plan can hold (pool x capacity), so RoPE covers every position;
+  no gradient clipping (``max_norm=inf``: the oracle has none), CUDA graphs off (shapes change
+  every microbatch);
+- AdamW with torchtitan's defaults (betas 0.9/0.95, eps 1e-8), the for-loop implementation
+  (the oracle runs the same per-tensor arithmetic), constant learning rate;
+- checkpointing through torchtitan's checkpointer: ``--save DIR`` writes ``DIR/step-N`` (every
+  ``--save-every`` steps and at the end), ``--resume DIR`` loads the latest ``DIR/step-N``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+
+from runtime.adapters.torchtitan.data import PlanDataLoader, PlanTokenizer
+from runtime.adapters.torchtitan.model import llama3_config, model_spec
+from runtime.adapters.torchtitan.titan import (
+    CheckpointManager,
+    CrossEntropyLoss,
+    LRSchedulersContainer,
+    ParallelismConfig,
+    TrainingConfig,
+    default_adamw,
+)
+from runtime.adapters.torchtitan.trainer import PlanMetrics, PlanTrainer
+from runtime.data.plan_reader import PlanReader
+from runtime.train.common import TrainConfig
+from runtime.train.model import GPTConfig
+
+ADAMW_BETAS = (0.9, 0.95)
+ADAMW_EPS = 1e-8
+_STEP_DIR = re.compile(r"step-(\d+)$")
+
+
+def max_seq_len(reader: PlanReader) -> int:
+    """Longest padded segment the plan can hold: a group of the whole pool at capacity."""
+    return reader.header.parallel.pool_size * reader.header.capacity_tokens_per_rank
+
+
+def latest_checkpoint(folder: str) -> int:
+    """Highest N of a complete ``folder/step-N`` (DCP writes ``.metadata`` last), else -1."""
+    steps = [int(m.group(1)) for p in Path(folder).glob("step-*")
+             if (m := _STEP_DIR.search(p.name)) and (p / ".metadata").is_file()]
+    return max(steps, default=-1)
+
+
+def checkpoint_config(cfg: TrainConfig) -> CheckpointManager.Config:
+    """torchtitan's checkpointer for ``--save`` / ``--resume`` (see the module docstring)."""
+    if not cfg.save and not cfg.resume:
+        return CheckpointManager.Config(enable=False, initial_load_model_only=False)
+    if cfg.resume and latest_checkpoint(cfg.resume) < 0:
+        raise ValueError(f"--resume {cfg.resume}: no complete torchtitan checkpoint (step-N with "
+                         ".metadata) in it")
+    save = os.path.abspath(cfg.save) if cfg.save else ""
+    resume = os.path.abspath(cfg.resume) if cfg.resume else ""
+    if save and save != resume and latest_checkpoint(save) >= 0:
+        # torchtitan would silently continue from them (its fault-tolerance rule).
+        raise ValueError(f"--save {cfg.save} already holds checkpoints; pass --resume "
+                         f"{cfg.save} to continue them, or choose an empty directory")
+    initial = ""
+    if resume and save != resume:
+        initial = os.path.join(resume, f"step-{latest_checkpoint(resume)}")
+    return CheckpointManager.Config(
+        enable=True, folder=save or resume, load_only=not save,
+        interval=cfg.save_every or 2**31 - 1, last_save_model_only=False,
+        initial_load_path=initial or None, initial_load_model_only=False, keep_latest_k=0)
+
+
+def trainer_config(cfg: TrainConfig, model_config: GPTConfig, *,
+                   dump_folder: str = "") -> PlanTrainer.Config:
+    """The torchtitan config that replays ``cfg.plan`` with ``model_config``'s llama3."""
+    with PlanReader(cfg.plan) as reader:
+        seq_len = max_seq_len(reader)
+        stop = min(cfg.steps, reader.num_steps) if cfg.steps else reader.num_steps
+    checkpoint = checkpoint_config(cfg)
+    optimizer = default_adamw(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=ADAMW_BETAS,
+                              eps=ADAMW_EPS)
+    optimizer.implementation = "for-loop"
+    param_dtype = "bfloat16" if cfg.dtype == "bf16" else "float32"
+    return PlanTrainer.Config(
+        model_spec=model_spec(llama3_config(model_config, max_seq_len=seq_len)),
+        hf_assets_path="",
+        dump_folder=dump_folder or os.getcwd(),
+        tokenizer=PlanTokenizer.Config(vocab_size=model_config.vocab_size),
+        dataloader=PlanDataLoader.Config(plan=cfg.plan, dataset=cfg.dataset,
+                                         vocab_size=model_config.vocab_size),
+        loss=CrossEntropyLoss.Config(),
+        optimizer=optimizer,
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=0.0),
+        training=TrainingConfig(local_batch_size=1, seq_len=seq_len, steps=stop,
+                                max_norm=math.inf, disable_cuda_graphs=True,
+                                mixed_precision_param=param_dtype,
+                                mixed_precision_reduce="float32"),
+        parallelism=ParallelismConfig(data_parallel_shard_degree=-1, context_parallel_degree=1,
+                                      spmd_backend="partial_dtensor"),
+        metrics=PlanMetrics.Config(log_freq=1),
+        checkpoint=checkpoint,
+        activation_checkpoint=None,
+        attention=cfg.attention, seed=cfg.seed, log_jsonl=cfg.log_jsonl, quiet=cfg.quiet)

@@ -1,0 +1,47 @@
+"""``dcp-train --framework torchtitan``: process group, ``PlanTrainer``, torchtitan's loop.
+
+``launch`` is what ``runtime.train.cli`` calls for this framework. The process group comes from
+the shared helper (torchrun's env://, or a world of one); torchtitan sees it initialised and
+uses it. ``--reference`` runs ``oracle.train_reference`` in this one process instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+from runtime.adapters.torchtitan.config import trainer_config
+from runtime.adapters.torchtitan.oracle import train_reference
+from runtime.adapters.torchtitan.titan import DEVICE_TYPE
+from runtime.adapters.torchtitan.trainer import PlanTrainer
+from runtime.train.common import TrainConfig, init_process_group
+from runtime.train.model import GPTConfig
+
+
+def build_trainer(cfg: TrainConfig, model_config: GPTConfig) -> PlanTrainer:
+    """The torchtitan trainer for ``cfg`` (the process group must exist)."""
+    if cfg.device != DEVICE_TYPE:
+        raise ValueError(f"--device {cfg.device}: torchtitan runs on {DEVICE_TYPE} here (it "
+                         "takes the accelerator whenever one is present)")
+    return PlanTrainer(trainer_config(cfg, model_config))
+
+
+def launch(cfg: TrainConfig, model_config: GPTConfig, *, reference: bool) -> int:
+    """Train ``cfg.plan`` through torchtitan (or run its oracle); returns the exit status."""
+    if reference:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ValueError("--reference runs in one process; launch it without torchrun")
+        train_reference(cfg, model_config)
+        return 0
+    created = init_process_group(cfg.device)
+    try:
+        trainer = build_trainer(cfg, model_config)
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+    finally:
+        if created:
+            dist.destroy_process_group()
+    return 0

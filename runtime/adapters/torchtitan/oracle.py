@@ -1,0 +1,107 @@
+"""``dcp-train --reference --framework torchtitan``: the oracle of the torchtitan run.
+
+One process, no CP, no packing, no FSDP: the same llama3 (same config, same seeded weights as
+``PlanTrainer.load_seeded_weights``), each sample segment of a step alone as a batch of one with
+positions 0..n-1 and plain causal SDPA, loss = sum of token losses / number of loss tokens of
+the step, AdamW with the trainer's hyperparameters and per-tensor arithmetic. Labels follow the
+plan's rule, written out here again on purpose (the oracle shares no data code with what it
+checks): the next token of the same sample; a segment's last token is labelled only when its
+sample continues past it.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from runtime.adapters.torchtitan.attention import PlanMasks
+from runtime.adapters.torchtitan.config import ADAMW_BETAS, ADAMW_EPS, max_seq_len
+from runtime.adapters.torchtitan.model import build_llama3, llama3_config
+from runtime.data.plan_reader import PlanReader
+from runtime.data.tokens import TokenSource, open_token_source
+from runtime.train.common import StepLog, StepLogger, TrainConfig, TrainResult, resolve_device
+from runtime.train.model import GPTConfig, check_token_ids
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int) -> torch.Tensor:
+    """Full causal attention over one whole sequence: [T, H, D] x [T, G, D] -> [T, H, D]."""
+    del layer_index
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         is_causal=True, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def _segments(reader: PlanReader, source: TokenSource, step: int, vocab_size: int
+              ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(tokens, labels, loss mask) of every sample segment of ``step``, in plan order."""
+    plan = reader.step(step)
+    lengths = source.lengths()
+    for s, off, n in zip(plan.sample_index.tolist(), plan.token_offset.tolist(),
+                         plan.num_tokens.tolist(), strict=True):
+        if s < 0:
+            continue
+        extra = 1 if off + n < int(lengths[s]) else 0
+        read = torch.from_numpy(source.read(s, off, n + extra).astype(np.int64))
+        check_token_ids(read, vocab_size, functools.partial("step {} sample {}".format, step, s))
+        labels = torch.zeros(n, dtype=torch.int64)
+        labels[: n + extra - 1] = read[1:]
+        mask = torch.zeros(n, dtype=torch.float32)
+        mask[: n + extra - 1] = 1.0
+        yield read[:n], labels, mask
+
+
+def train_reference(cfg: TrainConfig, model_config: GPTConfig) -> TrainResult:
+    """Run the oracle for ``cfg``'s steps; returns the logs and the final weights and grads."""
+    if cfg.resume or cfg.save:
+        raise ValueError("--reference --framework torchtitan does not checkpoint (--save, "
+                         "--resume): run the whole range of steps instead")
+    device = resolve_device(cfg)
+    reader = PlanReader(cfg.plan)
+    source = open_token_source(cfg.dataset)
+    reader.check_dataset(source.lengths())
+    config = llama3_config(model_config, max_seq_len=max_seq_len(reader))
+    model = build_llama3(config, seed=cfg.seed).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=ADAMW_BETAS,
+                                  eps=ADAMW_EPS, weight_decay=cfg.weight_decay, foreach=False)
+    masks = PlanMasks(_causal)
+    logger = StepLogger(cfg, enabled=True)
+    result = TrainResult()
+    stop = min(cfg.steps, reader.num_steps) if cfg.steps else reader.num_steps
+    try:
+        for step in range(stop):
+            t0 = time.perf_counter()
+            optimizer.zero_grad(set_to_none=False)
+            total, count, tokens = 0.0, 0.0, 0
+            for seq, labels, mask in _segments(reader, source, step, model_config.vocab_size):
+                seq, labels, mask = seq.to(device), labels.to(device), mask.to(device)
+                positions = torch.arange(len(seq), device=device)[None]
+                with torch.autocast(device.type, dtype=torch.bfloat16,
+                                    enabled=cfg.dtype == "bf16"):
+                    logits = model(seq[None], positions=positions, attention_masks=masks)
+                losses = F.cross_entropy(logits[0].float(), labels, reduction="none")
+                loss_sum = (losses * mask).sum()
+                loss_sum.backward()  # type: ignore[no-untyped-call]
+                total += float(loss_sum.detach())
+                count += float(mask.sum())
+                tokens += len(seq)
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(max(count, 1.0))
+            optimizer.step()
+            log = StepLog(step=step, loss=total / max(count, 1.0), tokens=tokens,
+                          loss_tokens=int(count), microbatches=0,
+                          seconds=time.perf_counter() - t0)
+            result.logs.append(log)
+            logger.write(log)
+    finally:
+        logger.close()
+        reader.close()
+    result.state = {k: p.detach().cpu().clone() for k, p in model.named_parameters()}
+    result.grads = {k: p.grad.detach().cpu().clone() for k, p in model.named_parameters()
+                    if p.grad is not None}
+    return result

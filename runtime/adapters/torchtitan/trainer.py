@@ -1,0 +1,188 @@
+"""``PlanTrainer``: torchtitan's ``Trainer`` replaying a plan, dynamic CP per microbatch, FSDP.
+
+What it changes in torchtitan's loop, and nothing else (the forward, loss, FSDP gradient
+reduction, clipping, optimizer, LR schedule, checkpointer and validator are torchtitan's):
+
+- ``train_step``: the step's gradient-accumulation count is the plan step's microbatch count
+  (the same on every rank; it may differ between steps). torchtitan counts the valid labels of
+  all of them, sums the count over its "batch" mesh (the whole dp x cp pool: every pool rank is
+  an FSDP data-parallel replica, ``data_parallel_shard_degree=-1``, torchtitan's own CP off) and
+  divides every microbatch's summed cross entropy by that global count: the per-token loss rule,
+  so the result does not depend on the CP sizes a step uses. FSDP sums (not averages) gradients.
+- ``forward_backward_step``: binds the microbatch's attention backend (``runtime.backends``: its
+  cu_seqlens, CP size and rank, process group) around torchtitan's forward *and* backward; the
+  binding is undone in a ``finally`` before the next microbatch.
+- ``post_dataloading_process`` (torchtitan's hook between loader and model): hands the bound
+  attention to the model as ``attention_masks`` (``PlanMasks``), next to ``positions``.
+- weights: when ``Config.seed`` is set, every parameter shard is overwritten with the slice of
+  one full CPU model initialised from that seed, so the oracle starts from the same weights.
+
+Rank 0 writes one JSON line per step (the native ``StepLog`` format); the loss is torchtitan's
+own global mean, caught by ``PlanMetrics``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from runtime.adapters.torchtitan.attention import PlanMasks
+from runtime.adapters.torchtitan.data import MICROBATCH_KEY, PlanDataLoader
+from runtime.adapters.torchtitan.model import build_llama3, gpt_shape
+from runtime.adapters.torchtitan.titan import (
+    MetricsProcessor,
+    Trainer,
+    gloo_sum_reduction,
+    quiet_cpu_dtensor_warnings,
+)
+from runtime.data.batch import to_device
+from runtime.train.backends import ATTENTIONS, make_backend
+from runtime.train.common import StepLog, StepLogger, TrainConfig
+
+
+class PlanMetrics(MetricsProcessor):
+    """torchtitan's metrics processor, keeping the last logged training and validation loss."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(MetricsProcessor.Config):
+        pass
+
+    last_loss: float = float("nan")
+    last_validation_loss: float = float("nan")
+
+    def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
+            extra_metrics: dict[str, Any] | None = None) -> None:
+        self.last_loss = global_avg_loss
+        super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
+
+    def log_validation(self, loss: float, step: int,
+                       extra_metrics: dict[str, Any] | None = None) -> None:
+        self.last_validation_loss = loss
+        super().log_validation(loss, step, extra_metrics)
+
+
+def _canonical(name: str) -> str:
+    # Activation checkpointing and torch.compile wrap modules; the weights' names do not change.
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+class PlanTrainer(Trainer):
+    """torchtitan's trainer over a plan (see the module docstring)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        attention: str = "reference"
+        """CP attention backend: reference (all-gather, any device), torch (torch's fused varlen
+        kernel on CUDA), te (Transformer Engine, CUDA)."""
+        seed: int | None = None
+        """Overwrite torchtitan's initial weights with a full model initialised from this seed
+        (every rank and the oracle get the same weights); None keeps torchtitan's."""
+        log_jsonl: str = ""
+        """Rank 0 appends one JSON line per step here; empty: stdout only."""
+        quiet: bool = False
+        """Do not print the JSON lines."""
+
+    config: Config
+    dataloader: PlanDataLoader
+
+    def __init__(self, config: Config) -> None:
+        if config.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got "
+                             f"{config.attention!r}")
+        with quiet_cpu_dtensor_warnings():
+            super().__init__(config)
+        model = self.model_parts[0]
+        if dist.get_backend() == "gloo":
+            gloo_sum_reduction(model)
+        if config.seed is not None:
+            self.load_seeded_weights(config.seed)
+        shape = gpt_shape(self.model_config)
+        self.backend = make_backend(config.attention, self.dataloader.reader.layout, shape)
+        self._masks: PlanMasks | None = None
+        self.step_logger = StepLogger(
+            TrainConfig(plan=self.dataloader.config.plan, dataset=self.dataloader.config.dataset,
+                        log_jsonl=config.log_jsonl, quiet=config.quiet),
+            enabled=dist.get_rank() == 0)
+        self.logs: list[StepLog] = []
+
+    @torch.no_grad()
+    def load_seeded_weights(self, seed: int) -> None:
+        """Every rank copies its shard of one full CPU model initialised from ``seed``."""
+        full = dict(build_llama3(self.model_config, seed=seed).named_parameters())
+        for name, p in self.model_parts[0].named_parameters():
+            src = full[_canonical(name)].detach().to(device=p.device, dtype=p.dtype)
+            if isinstance(p, DTensor):
+                # src_data_rank=None: every rank holds the full tensor, so no scatter is needed.
+                shard = distribute_tensor(src, p.device_mesh, p.placements, src_data_rank=None)
+                p.to_local().copy_(shard.to_local())
+            else:
+                p.copy_(src)
+
+    # -- torchtitan hooks --------------------------------------------------------------------
+
+    def post_dataloading_process(self, input_dict: dict[str, torch.Tensor],
+                                 labels: torch.Tensor
+                                 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        inputs, labels, extra_kwargs = super().post_dataloading_process(input_dict, labels)
+        if self._masks is None:
+            raise RuntimeError("post_dataloading_process ran outside a bound microbatch")
+        extra_kwargs["attention_masks"] = self._masks
+        return inputs, labels, extra_kwargs
+
+    def forward_backward_step(self, *, input_dict: Any, labels: Any,
+                              global_valid_tokens: torch.Tensor) -> torch.Tensor:
+        micro = input_dict.pop(MICROBATCH_KEY)
+        mb = to_device(micro.inputs, self.device)
+        with self.backend.bind(mb, micro.cp_group, micro.cp_global_ranks,
+                               host=micro.inputs) as attention:
+            self._masks = PlanMasks(attention)
+            try:
+                loss: torch.Tensor = super().forward_backward_step(
+                    input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
+            finally:
+                self._masks = None
+        return loss
+
+    def train_step(self, data_iterator: Iterator[tuple[dict[str, Any], torch.Tensor]]) -> None:
+        plan_step = self.step - 1  # torchtitan counts steps from 1, plans from 0
+        if self.dataloader.next_step != plan_step:
+            raise RuntimeError(f"trainer at step {plan_step}, data loader at plan step "
+                               f"{self.dataloader.next_step}")
+        self.gradient_accumulation_steps = self.dataloader.num_microbatches(plan_step)
+        t0 = time.perf_counter()
+        super().train_step(data_iterator)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        metrics = self.metrics_processor
+        assert isinstance(metrics, PlanMetrics)
+        tokens, loss_tokens = self.dataloader.token_counts(plan_step)
+        log = StepLog(step=plan_step, loss=metrics.last_loss, tokens=tokens,
+                      loss_tokens=loss_tokens,
+                      microbatches=self.gradient_accumulation_steps,
+                      seconds=time.perf_counter() - t0)
+        self.logs.append(log)
+        self.step_logger.write(log)
+
+    # -- results -----------------------------------------------------------------------------
+
+    def full_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Full (unsharded) weights and gradients on the CPU; collective over the pool."""
+        state, grads = {}, {}
+        for name, p in self.model_parts[0].named_parameters():
+            key = _canonical(name)
+            state[key] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
+            if p.grad is not None:
+                g = p.grad
+                grads[key] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().cpu()
+        return state, grads
+
+    def close(self) -> None:
+        self.step_logger.close()
+        self.dataloader.close()
+        super().close()
