@@ -82,10 +82,14 @@ def check_eval_layout(eval_header: PlanHeader, train_header: PlanHeader, *,
                       ) -> None:
     """Raise ValueError, naming both, unless the eval plan runs on the training job's layout.
 
+    The eval plan must be one (header ``kind: eval``).
     The pool size, tp and pp must match (the split of the pool into dp x cp may differ: pool
     ranks are numbered alike), and every CP size of the eval plan must be one the training plan
     may use, since the training catalog holds only those groups.
     """
+    if eval_header.kind != EVAL:
+        raise ValueError(f"{eval_source}: not an evaluation plan (kind {eval_header.kind!r}); "
+                         "make one with dcp-plan DATASET --eval")
     e, t = eval_header.parallel, train_header.parallel
     if (e.pool_size, e.tp, e.pp) != (t.pool_size, t.tp, t.pp):
         raise ValueError(f"{eval_source} is built for {_layout(eval_header)}, the training job "

@@ -11,7 +11,9 @@ name hands the parsed configs to that adapter's ``launch``.
 ``--steps K`` is the absolute step to stop before (the run executes steps [start, K), start = 0
 or the resumed step), so a resumed run with the same ``--steps`` ends where the uninterrupted
 one does. One JSON line per step (rank 0): step, loss, tokens (real tokens of the step), loss
-tokens, microbatches, seconds, tokens_per_s.
+tokens, microbatches, seconds, tokens_per_s. With ``--eval-plan``, after every
+``--eval-interval`` steps and after the last: one line eval_at_step, eval_loss, eval_tokens,
+eval_microbatches, seconds (``runtime.train.evaluate``).
 """
 
 from __future__ import annotations
@@ -54,6 +56,16 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, GPTConfi
     p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps")
     p.add_argument("--resume", default="", help="checkpoint directory to continue from")
     p.add_argument("--quiet", action="store_true", help="do not print per-step lines")
+    ev = p.add_argument_group("evaluation", "an eval plan (dcp-plan DATA --eval) run forward only "
+                              "during training; rank 0 writes one JSON line per evaluation")
+    ev.add_argument("--eval-plan", default="", help="evaluation plan (.arrow, kind eval); its "
+                    "pool, tp and pp must be the training plan's")
+    ev.add_argument("--eval-dataset", default="", help="the dataset the eval plan was made for")
+    ev.add_argument("--eval-interval", type=int, default=0, metavar="K",
+                    help="evaluate after every K training steps and after the last "
+                    "(0: only after the last)")
+    ev.add_argument("--eval-steps", type=int, default=0, metavar="M",
+                    help="evaluate only the eval plan's first M steps (0: all of it)")
     add_model_arguments(p)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
                    help="fp32, or bf16 autocast with fp32 master weights")
@@ -65,7 +77,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, GPTConfi
         cfg = TrainConfig(plan=a.plan, dataset=a.dataset, steps=a.steps, device=a.device,
                           seed=a.seed, attention=a.attention, dtype=a.dtype, lr=a.lr,
                           weight_decay=a.weight_decay, log_jsonl=a.log_jsonl, save=a.save,
-                          save_every=a.save_every, resume=a.resume, quiet=a.quiet)
+                          save_every=a.save_every, resume=a.resume, quiet=a.quiet,
+                          eval_plan=a.eval_plan, eval_dataset=a.eval_dataset,
+                          eval_interval=a.eval_interval, eval_steps=a.eval_steps)
     except ValueError as e:
         p.error(str(e))
     return cfg, model_config, a.reference, a.framework

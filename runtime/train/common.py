@@ -59,6 +59,15 @@ class TrainConfig:
     """Checkpoint directory to continue from."""
     quiet: bool = False
     """Do not print the per-step lines."""
+    eval_plan: str = ""
+    """Evaluation plan (``dcp-plan --eval``) run forward only during training; empty: none."""
+    eval_dataset: str = ""
+    """The dataset the eval plan was made for (required with ``eval_plan``)."""
+    eval_interval: int = 0
+    """Evaluate after every ``eval_interval`` training steps (absolute: after steps K, 2K, ...)
+    and after the run's last step; 0: only after the last step."""
+    eval_steps: int = 0
+    """Evaluate only the eval plan's first ``eval_steps`` steps; 0: the whole eval plan."""
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTIONS:
@@ -70,6 +79,13 @@ class TrainConfig:
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.steps < 0 or self.save_every < 0:
             raise ValueError("steps and save_every must be >= 0")
+        if self.eval_interval < 0 or self.eval_steps < 0:
+            raise ValueError("--eval-interval and --eval-steps must be >= 0")
+        if self.eval_plan and not self.eval_dataset:
+            raise ValueError("--eval-plan needs --eval-dataset (the dataset the eval plan was "
+                             "made for)")
+        if not self.eval_plan and (self.eval_dataset or self.eval_interval or self.eval_steps):
+            raise ValueError("--eval-dataset, --eval-interval and --eval-steps need --eval-plan")
         # The torch path also runs on CPU, with an SDPA stand-in for the CUDA kernel (tests).
         if self.attention == "te" and self.device != "cuda":
             raise ValueError("--attention te needs --device cuda")
@@ -93,12 +109,43 @@ class StepLog:
                            "tokens_per_s": round(self.tokens / max(self.seconds, 1e-9), 1)})
 
 
+@dataclass(frozen=True, slots=True)
+class EvalLog:
+    """One evaluation's record (one JSON line), written by rank 0 after training step
+    ``eval_at_step - 1``: the per-token loss over the pool, the loss tokens it averaged and the
+    microbatches each rank ran."""
+
+    eval_at_step: int
+    """Training steps completed when the evaluation ran (the next step's index)."""
+    eval_loss: float
+    eval_tokens: int
+    eval_microbatches: int
+    seconds: float
+
+    def to_json(self) -> str:
+        return json.dumps({"eval_at_step": self.eval_at_step, "eval_loss": self.eval_loss,
+                           "eval_tokens": self.eval_tokens,
+                           "eval_microbatches": self.eval_microbatches,
+                           "seconds": round(self.seconds, 6)})
+
+
+def should_evaluate(cfg: TrainConfig, step: int, last_step: int) -> bool:
+    """Whether to evaluate after training step ``step`` (0-based) of a run ending at
+    ``last_step``: every ``eval_interval`` completed steps, counted from step 0 (so a resumed
+    run evaluates where the uninterrupted one does), and after the last step, once."""
+    if not cfg.eval_plan:
+        return False
+    done = step + 1
+    return step == last_step or (cfg.eval_interval > 0 and done % cfg.eval_interval == 0)
+
+
 @dataclass(slots=True)
 class TrainResult:
     """What a run returns to a caller (tests): its step logs and, on request, the final weights
     and the last step's gradients (reduced over the pool and divided by the token count)."""
 
     logs: list[StepLog] = field(default_factory=list)
+    evals: list[EvalLog] = field(default_factory=list)
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -140,7 +187,7 @@ class StepLogger:
             Path(cfg.log_jsonl).parent.mkdir(parents=True, exist_ok=True)
             self.file = open(cfg.log_jsonl, "a")  # noqa: SIM115 - closed in close()
 
-    def write(self, log: StepLog) -> None:
+    def write(self, log: StepLog | EvalLog) -> None:
         if not self.enabled:
             return
         line = log.to_json()

@@ -5,7 +5,8 @@ sequence with full causal attention (SDPA), and uses loss = sum over all loss to
 from the same initial weights (same seed) and with the same optimizer. Labels follow
 ``runtime.data.batch``'s rule, written out again here on purpose (an oracle shares no code with what
 it checks beyond the model): the next token of the same sample, and for a segment that stops
-before its sample's end, the sample's next token.
+before its sample's end, the sample's next token. With an eval plan, ``evaluate_reference`` runs
+the same evaluation the same way (every segment alone, no gradients) at the same steps.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from runtime.data.evaluation import check_eval_layout
 from runtime.data.plan_reader import PlanReader
 from runtime.data.tokens import TokenSource, open_token_source
 from runtime.train import checkpoint
 from runtime.train.common import (
+    EvalLog,
     StepLog,
     StepLogger,
     TrainConfig,
@@ -32,9 +35,10 @@ from runtime.train.common import (
     checkpoint_meta,
     copy_final_state,
     resolve_device,
+    should_evaluate,
     step_range,
 )
-from runtime.train.model import GPTConfig, check_token_ids, sequence_attention
+from runtime.train.model import GPT, GPTConfig, check_token_ids, sequence_attention
 
 
 def sequences_of_step(reader: PlanReader, source: TokenSource, step: int, vocab_size: int = 0
@@ -63,6 +67,34 @@ def sequences_of_step(reader: PlanReader, source: TokenSource, step: int, vocab_
         yield tokens, labels, mask
 
 
+def evaluate_reference(model: GPT, reader: PlanReader, source: TokenSource, cfg: TrainConfig,
+                       at_step: int, device: torch.device) -> EvalLog:
+    """The oracle's evaluation: the eval plan's first ``cfg.eval_steps`` steps (0: all), every
+    segment alone, full causal attention, no gradients; loss = sum over loss tokens / count."""
+    t0 = time.perf_counter()
+    num_steps = min(cfg.eval_steps, reader.num_steps) if cfg.eval_steps else reader.num_steps
+    total, count = 0.0, 0.0
+    was_training = model.training
+    model.train(False)
+    try:
+        with torch.no_grad():
+            for step in range(num_steps):
+                for seq, labels, mask in _sequences_of_step(reader, source, step,
+                                                            model.config.vocab_size):
+                    seq, labels, mask = seq.to(device), labels.to(device), mask.to(device)
+                    with autocast_context(cfg, device):
+                        logits = model(seq, torch.arange(len(seq), device=device),
+                                       sequence_attention)
+                    losses = F.cross_entropy(logits.float(), labels, reduction="none")
+                    total += float((losses * mask).sum())
+                    count += float(mask.sum())
+    finally:
+        model.train(was_training)
+    return EvalLog(eval_at_step=at_step, eval_loss=total / max(count, 1.0),
+                   eval_tokens=int(count), eval_microbatches=0,
+                   seconds=time.perf_counter() - t0)
+
+
 def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
                     keep_state: bool = False) -> TrainResult:
     """The oracle: every sequence alone, full causal attention, loss = sum / count per step."""
@@ -70,6 +102,14 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
     reader = PlanReader(cfg.plan)
     source = open_token_source(cfg.dataset)
     reader.check_dataset(source.lengths())
+    eval_reader = eval_source = None
+    if cfg.eval_plan:
+        # The same refusals as the replayed run: the oracle evaluates what it would evaluate.
+        eval_reader = PlanReader(cfg.eval_plan)
+        check_eval_layout(eval_reader.header, reader.header, eval_source=cfg.eval_plan,
+                          train_source=cfg.plan)
+        eval_source = open_token_source(cfg.eval_dataset)
+        eval_reader.check_dataset(eval_source.lengths())
     model = build_model(model_config, cfg.seed, device)
     optimizer = build_optimizer(model, cfg)
     meta = checkpoint_meta(model_config, reader)
@@ -105,12 +145,21 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
                           seconds=time.perf_counter() - t0)
             result.logs.append(log)
             logger.write(log)
+            if eval_reader is not None and eval_source is not None \
+                    and should_evaluate(cfg, step, steps[-1]):
+                ev = evaluate_reference(model, eval_reader, eval_source, cfg, step + 1, device)
+                result.evals.append(ev)
+                logger.write(ev)
             if cfg.save and (step == steps[-1] or (cfg.save_every
                                                   and (step + 1) % cfg.save_every == 0)):
                 checkpoint.save(cfg.save, model=model, optimizer=optimizer, next_step=step + 1,
                                 meta=meta, rank=0)
     finally:
         logger.close()
+        for obj in (eval_reader, eval_source):
+            close = getattr(obj, "close", None)
+            if close is not None:
+                close()
     if keep_state:
         copy_final_state(result, model)
     return result

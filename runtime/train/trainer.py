@@ -31,6 +31,11 @@ Attention backends (reference, torch, te) live in ``runtime.train.backends``; th
 or the resumed step), so a resumed run with the same ``--steps`` ends where the uninterrupted
 one does. One JSON line per step (rank 0): step, loss, tokens (real tokens of the step), loss
 tokens, microbatches, seconds, tokens_per_s.
+
+``--eval-plan P --eval-dataset D --eval-interval K [--eval-steps M]``: after every K-th step
+and after the last, ``runtime.train.evaluate.Evaluator`` runs the eval plan (its first M steps)
+forward only on the same groups and rank 0 writes one more line: eval_at_step (steps done),
+eval_loss, eval_tokens, eval_microbatches, seconds.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from runtime.dist.topology import Topology
 from runtime.train import checkpoint
 from runtime.train.backends import make_backend
 from runtime.train.common import (
+    EvalLog,
     StepLog,
     StepLogger,
     TrainConfig,
@@ -62,8 +68,10 @@ from runtime.train.common import (
     checkpoint_meta,
     copy_final_state,
     resolve_device,
+    should_evaluate,
     step_range,
 )
+from runtime.train.evaluate import Evaluator
 from runtime.train.loss import per_token_loss
 from runtime.train.model import GPTConfig, check_token_ids
 
@@ -114,6 +122,12 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg)
         self.backend = make_backend(cfg.attention, header.layout, model_config)
         self.rank = dist.get_rank()
+        self.evaluator: Evaluator | None = None
+        if cfg.eval_plan:
+            # Collective (EvalSchedule checks that every rank built the same pass).
+            self.evaluator = Evaluator(cfg, self.reader, self.topology, self.catalog,
+                                       model_config, self.backend, self.device)
+            self._owned.append(self.evaluator)
         self.start = 0
         if cfg.resume:
             resumed = checkpoint.load(cfg.resume, model=self.model, optimizer=self.optimizer,
@@ -181,6 +195,12 @@ class Trainer:
             h.wait()
         torch._foreach_div_(grads, global_count)
 
+    def evaluate(self, at_step: int) -> EvalLog:
+        """Run the eval plan forward only (collective over the pool); return its record."""
+        if self.evaluator is None:
+            raise ValueError("no eval plan: pass --eval-plan and --eval-dataset")
+        return self.evaluator.run(self.model, at_step)
+
     def close(self) -> None:
         """Close the plan and dataset this trainer opened itself."""
         for obj in self._owned:
@@ -201,6 +221,10 @@ class Trainer:
                 log = self.step(step)
                 result.logs.append(log)
                 logger.write(log)
+                if self.evaluator is not None and should_evaluate(cfg, step, steps[-1]):
+                    ev = self.evaluate(step + 1)
+                    result.evals.append(ev)
+                    logger.write(ev)
                 last = step == steps[-1]
                 if cfg.save and (last or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
                     checkpoint.save(cfg.save, model=self.model, optimizer=self.optimizer,
