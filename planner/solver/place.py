@@ -37,6 +37,8 @@ import numba
 import numpy as np
 from numpy.typing import NDArray
 
+from planner.solver.blocktree import best_block, fix_up, set_leaf, tree_layout
+
 BALANCE = 0
 PACK = 1
 
@@ -80,6 +82,30 @@ def _add(lv: int, b: int, dload: float, dcount: int, sizes: NDArray[np.int64],
 
 
 @numba.njit(cache=True)
+def _refresh(lv: int, b: int, sizes: NDArray[np.int64], offset: NDArray[np.int64],
+             bload: NDArray[np.float64], bcount: NDArray[np.int64], blk_room: NDArray[np.int64],
+             num_mb: int, width: NDArray[np.int64], base: NDArray[np.int64],
+             t_load: NDArray[np.float64], t_open: NDArray[np.float64],
+             t_room: NDArray[np.int64]) -> None:
+    """Mirror into the search trees every block that ``_add(lv, b, ...)`` changed."""
+    for sub in range(lv + 1):
+        r = sizes[lv] // sizes[sub]
+        for j in range(b * r, (b + 1) * r):
+            bb = offset[sub] + j
+            set_leaf(sub, j, bload[bb], bcount[bb] < num_mb, blk_room[bb], width, base, t_load,
+                     t_open, t_room)
+        fix_up(sub, b * r, (b + 1) * r - 1, width, base, t_load, t_open, t_room)
+    child = b
+    for up in range(lv + 1, len(sizes)):
+        parent = child // (sizes[up] // sizes[up - 1])
+        bb = offset[up] + parent
+        set_leaf(up, parent, bload[bb], bcount[bb] < num_mb, blk_room[bb], width, base, t_load,
+                 t_open, t_room)
+        fix_up(up, parent, parent, width, base, t_load, t_open, t_room)
+        child = parent
+
+
+@numba.njit(cache=True)
 def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.float64],
           min_level: NDArray[np.int64], order: NDArray[np.int64], sizes: NDArray[np.int64],
           capacity: int, pool_size: int, c: NDArray[np.float64], num_mb: int, target: float,
@@ -105,6 +131,19 @@ def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.f
     blk_room = np.full(total_blocks, -1, dtype=np.int64)
     g_fill = np.zeros(n, dtype=np.int64)
     num_groups = 0
+    # Balance mode asks the search trees (blocktree.py) instead of scanning every block.
+    use_tree = mode == BALANCE
+    width, tbase = tree_layout(num_blocks)
+    t_load = np.full(tbase[-1], np.inf, dtype=np.float64)
+    t_open = np.full(tbase[-1], np.inf, dtype=np.float64)
+    t_room = np.full(tbase[-1], -1, dtype=np.int64)
+    stack = np.empty(2 * 66, dtype=np.int64)
+    stack_bound = np.empty(66, dtype=np.float64)
+    if use_tree:
+        for lv in range(num_levels):
+            for b in range(num_blocks[lv]):
+                set_leaf(lv, b, base, num_mb > 0, -1, width, tbase, t_load, t_open, t_room)
+            fix_up(lv, 0, num_blocks[lv] - 1, width, tbase, t_load, t_open, t_room)
     # Once some rank ends above the target, anything that ends below that rank is free.
     limit = max(target, base)
     # Rank-seconds placed so far and still to come (at the cheapest sizes): an option that
@@ -140,7 +179,10 @@ def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.f
                 fit_end = np.inf
                 fit_b = -1
                 fit_room = 0
-                for b in range(num_blocks[lv]):
+                if use_tree:
+                    best_b, best_end = best_block(lv, p, t, open_cost, width, tbase, t_load,
+                                                  t_open, t_room, stack, stack_bound)
+                for b in range(0 if use_tree else num_blocks[lv]):
                     bb = offset[lv] + b
                     if blk_room[bb] >= p:
                         end = bload[bb] + t
@@ -210,6 +252,9 @@ def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.f
         for q in range(blk_ng[bb]):
             room = max(room, room_cap - g_fill[blk_g[bb, q]])
         blk_room[bb] = room
+        if use_tree:
+            _refresh(lv_pick, b_pick, sizes, offset, bload, bcount, blk_room, num_mb, width,
+                     tbase, t_load, t_open, t_room)
         limit = max(limit, bload[bb])
         item_level[i] = lv_pick
         item_group[i] = g_pick
