@@ -14,14 +14,16 @@ this module decides which (M, T) to try:
 3. ``balanced`` and ``max``, only when the time is still more than ``refine_gap`` over the bound:
    more targets T (the bound times 1 + delta, balance and pack mode) at the chosen M, step 2 again
    with those targets, then one CP-SAT call on the heaviest segments (cpsat.py) at the chosen M
-   with the effort's deterministic-time budget. Every candidate is scored by the kernel's exact
+   with the effort's deterministic-time budget, when those segments hold at least
+   ``HEAVY_SHARE`` of the step's work (below it CP-SAT's model cannot move what matters). Every candidate is scored by the kernel's exact
    makespan and the best is kept, so refinement never makes a step worse.
 ``fast`` is steps 1-2. Extra microbatches loosen capacity for balance but cost fixed time and
 leave slots empty: the tolerance keeps near-ties at the fewer microbatches (fuller slots).
 
-Trade-off: ``fast`` is two to four kernel passes per step (each O(segments x blocks)); refinement
-is 10-30 more passes and one bounded CP-SAT call, spent only on the steps whose gap to the bound
-is large (on the 1M-sample Wikipedia file balanced takes as long as fast: no step reaches CP-SAT).
+Trade-off: ``fast`` is two to four kernel passes per step (each O(segments x levels x log N) in
+balance mode); refinement is 10-30 more passes and one bounded CP-SAT call, spent only on the
+steps whose gap to the bound is large and, for CP-SAT, whose heaviest segments matter (on the
+1M Wikipedia lengths no step at pools 16-1024 reaches CP-SAT).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from planner.solver.emit import emit_rows
 from planner.solver.place import BALANCE, PACK, spread
 from planner.solver.step import (
     EXTRA_MICROBATCHES,
+    HEAVY_SHARE,
     SOLVER_NAME,
     SOLVER_VERSION,
     PackingParams,
@@ -152,7 +155,8 @@ def solve_step(problem: StepProblem) -> Placement:
         return best
     best = refine(problem, best)
     best = _more_microbatches(problem, best, do_refine=True)
-    if p.cpsat_seconds > 0 and p.cpsat_items > 0 and problem.gap(best) > p.refine_gap:
+    if (p.cpsat_seconds > 0 and p.cpsat_items > 0 and problem.gap(best) > p.refine_gap
+            and problem.heavy_share() >= HEAVY_SHARE):
         # One CP-SAT call per step, at the chosen M: the solver budget per step is bounded.
         from planner.solver.cpsat import refine_heavy
 
