@@ -5,8 +5,9 @@ padding. The kernel (place.py) places every segment for a given microbatch count
 this module decides which (M, T) to try:
 
 1. M starts at the fewest microbatches the tokens need, ceil(padded / (N C)), rounded up to the
-   microbatch multiple, and grows until the kernel places every segment (balance mode, then pack
-   mode, at T = the step's malleable bound, bounds.py).
+   microbatch multiple (2, not 1, when one microbatch would be more than
+   ``SINGLE_MICROBATCH_FILL`` full), and grows until the kernel places every segment (balance
+   mode, then pack mode, at T = the step's malleable bound, bounds.py).
 2. Then M + multiple x (1, 2, ...) (fast: +1, +2; balanced: up to +8; max: up to +32), skipping
    any whose own lower bound rules out a win, and a bisection below the winner. The step keeps
    the fewest microbatches whose time is within ``microbatch_tolerance`` of the fastest tried:
@@ -15,8 +16,9 @@ this module decides which (M, T) to try:
    more targets T (the bound times 1 + delta, balance and pack mode) at the chosen M, step 2 again
    with those targets, then one CP-SAT call on the heaviest segments (cpsat.py) at the chosen M
    with the effort's deterministic-time budget, when those segments hold at least
-   ``HEAVY_SHARE`` of the step's work (below it CP-SAT's model cannot move what matters). Every candidate is scored by the kernel's exact
-   makespan and the best is kept, so refinement never makes a step worse.
+   ``HEAVY_SHARE`` of the step's work (below it CP-SAT's model cannot move what matters).
+   Every candidate is scored by the kernel's exact makespan and the best is kept, so
+   refinement never makes a step worse.
 ``fast`` is steps 1-2. Extra microbatches loosen capacity for balance but cost fixed time and
 leave slots empty: the tolerance keeps near-ties at the fewer microbatches (fuller slots).
 
@@ -39,6 +41,7 @@ from planner.solver.place import BALANCE, PACK, spread
 from planner.solver.step import (
     EXTRA_MICROBATCHES,
     HEAVY_SHARE,
+    SINGLE_MICROBATCH_FILL,
     SOLVER_NAME,
     SOLVER_VERSION,
     PackingParams,
@@ -144,6 +147,11 @@ def solve_step(problem: StepProblem) -> Placement:
     """The step's placement under the lexicographic objective (module docstring)."""
     p = problem.params
     m = min_microbatches(problem.tables, p)
+    if m == 1 and problem.fill(1) > SINGLE_MICROBATCH_FILL:
+        # One bin per rank this full packs badly: on the quality workloads and the Wikipedia
+        # lengths at pools 8-1024, 87 such attempts (fill > 0.95) were never the step's choice
+        # and 77% of them failed after a full pass (two, balance and pack mode).
+        m += p.microbatch_multiple
     best = problem.first_fit(m)
     while best is None:
         # With one microbatch per segment every segment has a block of its own, so this ends.

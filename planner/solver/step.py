@@ -42,6 +42,8 @@ PASS_BUDGET = {"fast": 0, "balanced": 1.5e8, "max": 6e8}
 # of the step's work: below it, 28 calls on the quality workloads gained 0.011% on average
 # (0.07% at best) while each cost 0.1-2 s; above 0.5, 0.12% on average and up to 2.2%.
 HEAVY_SHARE = 0.25
+# A step is not tried at a single microbatch when its tokens fill more than this of N x C.
+SINGLE_MICROBATCH_FILL = 0.95
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -104,6 +106,7 @@ class PackingParams:
                 "microbatch_tolerance": self.microbatch_tolerance,
                 "refine_gap": self.refine_gap,
                 "extra_microbatches": EXTRA_MICROBATCHES[self.effort],
+                "single_microbatch_fill": SINGLE_MICROBATCH_FILL,
                 "targets": [d if np.isfinite(d) else "inf" for d in self.deltas],
                 "cpsat": {"max_deterministic_time": self.cpsat_seconds,
                           "heavy_items": self.cpsat_items, "random_seed": self.seed,
@@ -161,6 +164,12 @@ class StepProblem:
     """bounds.malleable_bound: the step's bound without microbatch fixed costs."""
     spent: list[float]
     """Segments x blocks of the kernel passes run so far (one mutable cell)."""
+
+    def fill(self, num_mb: int) -> float:
+        """Padded tokens (each segment at its smallest size) over N x C x ``num_mb``."""
+        t = self.tables
+        need = int(t.padded[np.arange(len(t.order)), t.min_level].sum())
+        return need / (self.params.pool_size * self.params.capacity * num_mb)
 
     def heavy_share(self) -> float:
         """Share of the step's work (each segment at its cheapest size) in its heaviest
