@@ -175,6 +175,34 @@ def _full(name: str, shape: tuple[int, ...], model: GPTConfig, seed: int) -> tor
     return torch.randn(shape, generator=gen, dtype=torch.float32) * std
 
 
+def partition_dims(chunk: nn.Module) -> dict[int, int]:
+    """id(parameter) -> its TP partition dim, for every TP-split weight of ``chunk``.
+
+    Taken from the layer types (column-parallel and vocab-parallel: dim 0, row-parallel: dim 1)
+    because with ``perform_initialization=False`` Megatron never sets the ``tensor_model_parallel``
+    attributes (tensor_parallel/layers.py sets them inside its init functions); they are set here
+    too, for Megatron code that reads them.
+    """
+    tp = mcore.tensor_parallel
+    out: dict[int, int] = {}
+    for module in chunk.modules():
+        if isinstance(module, tp.RowParallelLinear):
+            dim = 1
+        elif isinstance(module, (tp.ColumnParallelLinear, tp.VocabParallelEmbedding)):
+            dim = 0
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, nn.Parameter):
+            if not getattr(weight, "tensor_model_parallel", False):
+                tp.set_tensor_model_parallel_attributes(weight, True, dim, 1)
+            out[id(weight)] = dim
+    for p in chunk.parameters():  # other layers (TE's) that mark their own TP weights
+        if id(p) not in out and getattr(p, "tensor_model_parallel", False):
+            out[id(p)] = int(getattr(p, "partition_dim", 0))
+    return out
+
+
 @torch.no_grad()
 def init_weights(chunks: list[nn.Module], model: GPTConfig, *, seed: int, tp: int,
                  tp_rank: int) -> None:
@@ -182,9 +210,10 @@ def init_weights(chunks: list[nn.Module], model: GPTConfig, *, seed: int, tp: in
     for chunk in chunks:
         inner = _unwrap(chunk)
         names = global_names(inner)
+        dims = partition_dims(inner)
         for name, p in inner.named_parameters():
-            partitioned = bool(getattr(p, "tensor_model_parallel", False))
-            dim = int(getattr(p, "partition_dim", 0))
+            partitioned = id(p) in dims
+            dim = dims.get(id(p), 0)
             shape = list(p.shape)
             if partitioned:
                 shape[dim] *= tp

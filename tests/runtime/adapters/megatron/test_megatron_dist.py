@@ -9,6 +9,7 @@ to 1e-5 relative.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,31 @@ def test_dp2_cp2_with_cp_1_2_4(tmp_path: Path) -> None:
     for g, w in zip(got, want, strict=True):
         assert abs(g["loss"] - w["loss"]) <= 1e-5 * abs(w["loss"])
         assert g["microbatches"] >= 1
+
+
+def _plan_pool2(tmp: Path, **parallel: object) -> tuple[Path, Path]:
+    # Pool 2, C = 32: samples up to 2C, so groups of 1 and of 2.
+    data = write_dataset(tmp / "data.arrow", lengths(long=0), MODEL.vocab_size)
+    p = plan(tmp / "plan.arrow", data, capacity=32, batch=12, **parallel)
+    assert _cp_sizes(p) == {1, 2}
+    return p, data
+
+
+def test_pp2_pool2_through_1f1b(tmp_path: Path) -> None:
+    p, data = _plan_pool2(tmp_path, dp=1, cp=2, pp=2)
+    _check(cfg(p, data), 4)
+
+
+def test_tp2_sequence_parallel_pool2(tmp_path: Path) -> None:
+    p, data = _plan_pool2(tmp_path, dp=1, cp=2, tp=2, sequence_parallel=True)
+    _check(cfg(p, data), 4)
+
+
+@pytest.mark.slow
+def test_vpp2_pp2_interleaved(tmp_path: Path) -> None:
+    model = replace(MODEL, num_layers=4)
+    p, data = _plan_pool2(tmp_path, dp=1, cp=2, pp=2, vpp=2)
+    reader = PlanReader(p)
+    counts = [reader.step(i).num_microbatches for i in range(STEPS)]
+    assert all(m % 2 == 0 for m in counts), counts  # microbatch_group_size = pp
+    _check(cfg(p, data), 4, model)
