@@ -79,7 +79,7 @@ def evaluate_reference(model: GPT, reader: PlanReader, source: TokenSource, cfg:
     try:
         with torch.no_grad():
             for step in range(num_steps):
-                for seq, labels, mask in _sequences_of_step(reader, source, step,
+                for seq, labels, mask in sequences_of_step(reader, source, step,
                                                             model.config.vocab_size):
                     seq, labels, mask = seq.to(device), labels.to(device), mask.to(device)
                     with autocast_context(cfg, device):
