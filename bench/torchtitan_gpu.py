@@ -1,0 +1,243 @@
+"""torchtitan's trainer replaying plans on H200s: bf16 loss parity (1 GPU), dynamic vs static CP (2).
+
+Two phases, as ``bench/train_compare.py`` (whose ``prepare`` makes the dataset and the dp 1 x cp 2
+plans):
+
+``prepare`` (CPU machine, PyPI reachable) writes into DIR (default ``out/torchtitan_gpu``, ignored
+by git; carry it, about 15 MB): ``dataset.arrow``, ``dynamic.arrow`` (CP sizes 1 and 2),
+``static.arrow`` (CP 2 only), ``single.arrow`` (a pool of one GPU, the same global batches) and
+``wheels/``: torchtitan 0.3.0 and the packages it imports that the GPU image lacks (spmd_types,
+torchdata, torch_checkpointing, tyro, docstring_parser, typeguard, datasets, dill, multiprocess;
+2.6 MB, pure Python, installed there with ``--no-deps --no-index``).
+
+``run --gpus 1`` (1-GPU machine): ``dcp-train --framework torchtitan --device cuda --attention
+torch --dtype bf16`` on ``single.arrow`` (torch's fused varlen kernel, FSDP of one rank), then the
+torchtitan oracle in fp32 on the CPU (same llama3, same weights, every segment alone), and the
+largest per-step relative loss difference (bf16 tolerance: 2e-2).
+
+``run --gpus 2`` (2-GPU machine): ``torchrun --nproc-per-node 2 -m runtime.train --framework
+torchtitan`` for the dynamic and the static plan (same samples in every step), attention torch
+(and te when Transformer Engine is importable), an 8-layer hidden-2048 GQA llama3 in bf16;
+median step time and tokens/s after ``--warmup`` steps, speed-up of dynamic over static.
+
+Commands::
+
+    .venv/bin/python bench/torchtitan_gpu.py prepare
+    # GPU machine, carry ["out/torchtitan_gpu"]; one call each:
+    python3 bench/torchtitan_gpu.py run --gpus 1 --out $OUT
+    python3 bench/torchtitan_gpu.py run --gpus 2 --out $OUT
+    # the orchestration on this CPU machine (gloo, tiny model, reference attention; ~3 min):
+    .venv/bin/python bench/torchtitan_gpu.py prepare --dir /tmp/ttg --samples 60 \
+        --capacity 256 --global-batch-tokens 2048 --no-wheels
+    .venv/bin/python bench/torchtitan_gpu.py run --smoke --gpus 2 --dir /tmp/ttg --out /tmp/ttgo
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_DIR = ROOT / "out" / "torchtitan_gpu"
+# What torchtitan 0.3.0 imports beyond the GPU image (KINDS.md lists the image's packages);
+# versions as resolved on the CPU machine, where the adapter's tests pass.
+WHEELS = ["torchtitan==0.3.0", "spmd_types==0.2.3", "torchdata==0.11.0",
+          "torch_checkpointing==0.1.1", "tyro==1.0.17", "docstring_parser==0.18.0",
+          "typeguard==4.6.1", "datasets==4.7.0", "dill==0.4.0", "multiprocess==0.70.18"]
+BIG = ["--layers", "8", "--hidden-size", "2048", "--heads", "16", "--query-groups", "4",
+       "--ffn-hidden-size", "8192", "--vocab-size", "32000", "--dtype", "bf16"]
+# 1 GPU: small enough for the fp32 CPU oracle to finish in a minute or two.
+PARITY = ["--layers", "2", "--hidden-size", "256", "--heads", "8", "--query-groups", "2",
+          "--vocab-size", "32000"]
+SMOKE = ["--layers", "1", "--hidden-size", "32", "--vocab-size", "32000"]
+BF16_TOL = 2e-2
+
+
+def prepare(args: argparse.Namespace) -> int:
+    sys.path.insert(0, str(ROOT))
+    from bench.train_compare import prepare as prepare_plans
+    from planner.cli import main as dcp_plan
+
+    rc = prepare_plans(args)
+    if rc:
+        return rc
+    out = Path(args.dir)
+    # The same global batches for one GPU: same dataset, seed and batch tokens, a pool of 1
+    # (a single rank may hold up to 2 C tokens per microbatch so that no sample is split).
+    rc = dcp_plan([str(out / "dataset.arrow"), "--dp", "1", "--cp", "1", "--max-tokens-per-rank",
+                   str(2 * args.capacity), "--global-batch-tokens", str(args.global_batch_tokens),
+                   "--seed", str(args.seed), "--cost-model", args.cost_model,
+                   "-o", str(out / "single.arrow")])
+    if rc or args.no_wheels:
+        return rc
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+           "--python-version", "3.12", "--platform", "manylinux2014_x86_64",
+           "-d", str(out / "wheels"), *WHEELS]
+    return subprocess.run(cmd).returncode
+
+
+def _ensure_torchtitan(src: Path) -> None:
+    if importlib.util.find_spec("torchtitan") is not None:
+        return
+    wheels = sorted(str(p) for p in (src / "wheels").glob("*.whl"))
+    if not wheels:
+        raise SystemExit(f"torchtitan is not installed and {src}/wheels has no wheels: run "
+                         "prepare on the CPU machine and carry its directory")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                    *wheels], check=True)
+
+
+def _te_importable() -> bool:
+    probe = ("import sys\nfrom runtime.attention.te import te_available\n"
+             "sys.exit(0 if te_available() else 1)")
+    return subprocess.run([sys.executable, "-c", probe], cwd=ROOT,
+                          capture_output=True).returncode == 0
+
+
+def _launch(argv: list[str], nproc: int, log: Path, stdout: Path, timeout: float) -> int:
+    if nproc > 0:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               str(nproc), "-m", "runtime.train", *argv]
+    else:  # one plain process (the oracle)
+        cmd = [sys.executable, "-m", "runtime.train", *argv]
+    cmd += ["--log-jsonl", str(log), "--quiet"]
+    log.unlink(missing_ok=True)
+    with open(stdout, "w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        try:
+            return subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                  timeout=timeout,
+                                  env=dict(os.environ, PYTHONUNBUFFERED="1")).returncode
+        except subprocess.TimeoutExpired:
+            return 124
+
+
+def _read(path: Path) -> list[dict[str, float]]:
+    if not path.is_file():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _median(recs: list[dict[str, float]], key: str, warmup: int) -> float:
+    timed = [r for r in recs if int(r["step"]) >= warmup] or recs
+    return statistics.median(float(r[key]) for r in timed) if timed else float("nan")
+
+
+def run_parity(src: Path, out: Path, args: argparse.Namespace) -> int:
+    data = str(src / "dataset.arrow")
+    common = ["--framework", "torchtitan", "--plan", str(src / "single.arrow"), "--dataset",
+              data, "--steps", str(args.steps), "--lr", str(args.lr),
+              *(SMOKE if args.smoke else PARITY)]
+    device = ["--device", "cpu", "--attention", "reference"] if args.smoke else [
+        "--device", "cuda", "--attention", "torch", "--dtype", "bf16"]
+    t0 = time.perf_counter()
+    rc_gpu = _launch(common + device, 1, out / "parity_gpu.jsonl", out / "parity_gpu.txt",
+                     args.timeout)
+    wall_gpu = time.perf_counter() - t0
+    rc_ref = _launch(common + ["--reference", "--device", "cpu"], 0, out / "parity_ref.jsonl",
+                     out / "parity_ref.txt", args.timeout)
+    gpu, ref = _read(out / "parity_gpu.jsonl"), _read(out / "parity_ref.jsonl")
+    want = {int(r["step"]): float(r["loss"]) for r in ref}
+    diffs = [abs(float(r["loss"]) - want[int(r["step"])]) / abs(want[int(r["step"])])
+             for r in gpu if int(r["step"]) in want]
+    worst = max(diffs) if diffs else float("nan")
+    row = {"run": "parity 1 GPU (torch varlen, bf16) vs CPU oracle (fp32)",
+           "status": f"gpu rc={rc_gpu}, oracle rc={rc_ref}", "steps": len(gpu),
+           "wall_s": round(wall_gpu, 1), "max_rel_loss_diff": worst,
+           "median_tokens_per_s": _median(gpu, "tokens_per_s", args.warmup),
+           "losses_gpu": [r["loss"] for r in gpu], "losses_oracle": [r["loss"] for r in ref]}
+    (out / "parity.json").write_text(json.dumps(row, indent=1))
+    print(json.dumps(row, indent=1))
+    ok = rc_gpu == 0 and rc_ref == 0 and len(diffs) == args.steps and worst <= BF16_TOL
+    print(f"parity: {'PASS' if ok else 'FAIL'} (max relative loss difference {worst:.3g}, "
+          f"tolerance {BF16_TOL})")
+    return 0 if ok else 1
+
+
+def run_compare(src: Path, out: Path, args: argparse.Namespace) -> int:
+    data = str(src / "dataset.arrow")
+    attentions = ["reference"] if args.smoke else [a for a in args.attention.split(",") if a]
+    if "te" in attentions and not _te_importable():
+        print("Transformer Engine not importable: skipping the te runs", flush=True)
+        attentions.remove("te")
+    rows = []
+    for attention in attentions:
+        for plan in ("dynamic", "static"):
+            name = f"{plan}_{attention}"
+            argv = ["--framework", "torchtitan", "--plan", str(src / f"{plan}.arrow"),
+                    "--dataset", data, "--device", "cpu" if args.smoke else "cuda",
+                    "--attention", attention, "--steps", str(args.steps), "--lr", str(args.lr),
+                    *(SMOKE if args.smoke else BIG)]
+            rc = _launch(argv, 2, out / f"{name}.jsonl", out / f"{name}.txt", args.timeout)
+            recs = _read(out / f"{name}.jsonl")
+            rows.append({"plan": plan, "attention": attention, "status": f"rc={rc}",
+                         "steps": len(recs),
+                         "microbatches": statistics.mean(r["microbatches"] for r in recs)
+                         if recs else 0,
+                         "median_step_s": _median(recs, "seconds", args.warmup),
+                         "median_tokens_per_s": _median(recs, "tokens_per_s", args.warmup),
+                         "losses": [r["loss"] for r in recs]})
+            print(f"{name}: rc={rc} steps={len(recs)}", flush=True)
+    for r in rows:
+        static = next(s for s in rows if s["plan"] == "static"
+                      and s["attention"] == r["attention"])
+        r["speedup_vs_static"] = float(static["median_step_s"]) / float(r["median_step_s"])
+        r["max_loss_diff_vs_static"] = max(
+            (abs(a - b) for a, b in zip(r["losses"], static["losses"], strict=False)),
+            default=float("nan"))
+    (out / "compare.json").write_text(json.dumps(rows, indent=1))
+    head = ("plan", "attention", "status", "steps", "microbatches", "median_step_s",
+            "median_tokens_per_s", "speedup_vs_static", "max_loss_diff_vs_static")
+    print("\n" + " | ".join(head))
+    for r in rows:
+        print(" | ".join(f"{r[h]:.4g}" if isinstance(r[h], float) else str(r[h]) for h in head))
+    return 0 if all(r["status"] == "rc=0" for r in rows) else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    src = Path(args.dir)
+    out = Path(args.out or os.environ.get("OUT", "out/torchtitan_gpu_logs"))
+    out.mkdir(parents=True, exist_ok=True)
+    _ensure_torchtitan(src)
+    return run_parity(src, out, args) if args.gpus == 1 else run_compare(src, out, args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pp = sub.add_parser("prepare", help="dataset, plans and wheels (CPU machine)")
+    pp.add_argument("--dir", default=str(DEFAULT_DIR), help="output directory")
+    pp.add_argument("--workload", choices=("wikipedia", "all-long"), default="wikipedia",
+                    help="long-tail Wikipedia lengths, or the all-long guard")
+    pp.add_argument("--samples", type=int, default=2500, help="documents (wikipedia)")
+    pp.add_argument("--num-tokens", type=int, default=2_400_000, help="tokens (all-long)")
+    pp.add_argument("--cost-model", default="small-2048-h200", help="dynamic plan's cost model")
+    pp.add_argument("--capacity", type=int, default=16384, help="tokens per rank (C)")
+    pp.add_argument("--global-batch-tokens", type=int, default=131072, help="tokens per step")
+    pp.add_argument("--seed", type=int, default=0, help="workload and plan seed")
+    pp.add_argument("--no-wheels", action="store_true", help="skip downloading the wheels")
+    pr = sub.add_parser("run", help="parity (--gpus 1) or dynamic vs static (--gpus 2)")
+    pr.add_argument("--dir", default=str(DEFAULT_DIR), help="what prepare wrote")
+    pr.add_argument("--out", default="", help="log directory (default $OUT)")
+    pr.add_argument("--gpus", type=int, choices=(1, 2), required=True, help="GPUs of the machine")
+    pr.add_argument("--steps", type=int, default=8, help="steps per run")
+    pr.add_argument("--warmup", type=int, default=2, help="steps left out of the timings")
+    pr.add_argument("--attention", default="torch,te", help="--gpus 2: attentions to compare")
+    pr.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+    pr.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate")
+    pr.add_argument("--smoke", action="store_true",
+                    help="CPU, gloo, tiny model, reference attention: checks the script only")
+    args = p.parse_args(argv)
+    return prepare(args) if args.cmd == "prepare" else run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
