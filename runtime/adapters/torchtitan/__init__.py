@@ -9,6 +9,7 @@ this package gives its ``Trainer`` per-microbatch CP groups from a plan:
   (``with_plan_attention`` does it for any llama3 config);
 - ``PlanTrainer``: torchtitan's ``Trainer`` with the step's microbatch count, the attention
   bound per microbatch and FSDP over the whole dp x cp pool;
+- ``PlanValidator``: evaluation of an eval plan through torchtitan's validation hook;
 - ``trainer_config`` / ``launch``: what ``dcp-train --framework torchtitan`` runs;
   ``train_reference`` its one-process oracle.
 
@@ -22,6 +23,7 @@ from runtime.adapters.torchtitan.launch import build_trainer, launch
 from runtime.adapters.torchtitan.model import llama3_config, model_spec, with_plan_attention
 from runtime.adapters.torchtitan.oracle import train_reference
 from runtime.adapters.torchtitan.trainer import PlanMetrics, PlanTrainer
+from runtime.adapters.torchtitan.validate import PlanValidator
 
 __all__ = [
     "PlanAttention",
@@ -30,6 +32,7 @@ __all__ = [
     "PlanMetrics",
     "PlanTokenizer",
     "PlanTrainer",
+    "PlanValidator",
     "build_trainer",
     "launch",
     "llama3_config",

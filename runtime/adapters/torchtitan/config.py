@@ -34,6 +34,7 @@ from runtime.adapters.torchtitan.titan import (
     default_adamw,
 )
 from runtime.adapters.torchtitan.trainer import PlanMetrics, PlanTrainer
+from runtime.adapters.torchtitan.validate import PlanValidator
 from runtime.data.plan_reader import PlanReader
 from runtime.train.common import TrainConfig
 from runtime.train.model import GPTConfig
@@ -77,6 +78,15 @@ def checkpoint_config(cfg: TrainConfig) -> CheckpointManager.Config:
         initial_load_path=initial or None, initial_load_model_only=False, keep_latest_k=0)
 
 
+def validator_config(cfg: TrainConfig, *, last_step: int) -> PlanValidator.Config:
+    """torchtitan's validation hook for ``--eval-plan`` (disabled without one)."""
+    if not cfg.eval_plan:
+        return PlanValidator.Config(enable=False)
+    return PlanValidator.Config(enable=True, plan=cfg.eval_plan, dataset=cfg.eval_dataset,
+                                max_steps=cfg.eval_steps, interval=cfg.eval_interval,
+                                last_step=last_step)
+
+
 def trainer_config(cfg: TrainConfig, model_config: GPTConfig, *,
                    dump_folder: str = "") -> PlanTrainer.Config:
     """The torchtitan config that replays ``cfg.plan`` with ``model_config``'s llama3."""
@@ -106,5 +116,6 @@ def trainer_config(cfg: TrainConfig, model_config: GPTConfig, *,
                                       spmd_backend="partial_dtensor"),
         metrics=PlanMetrics.Config(log_freq=1),
         checkpoint=checkpoint,
+        validator=validator_config(cfg, last_step=stop),
         activation_checkpoint=None,
         attention=cfg.attention, seed=cfg.seed, log_jsonl=cfg.log_jsonl, quiet=cfg.quiet)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,25 @@ MICROBATCH_KEY = "dcp_microbatch"
 def plan_digest(reader: PlanReader) -> str:
     """Short sha256 of the plan header: what a checkpoint is bound to."""
     return hashlib.sha256(reader.header.to_json().encode()).hexdigest()[:16]
+
+
+def titan_batch(micro: Microbatch, vocab_size: int, where: Callable[[], str]
+                ) -> tuple[dict[str, Any], torch.Tensor]:
+    """One microbatch as torchtitan's ``(input_dict, labels)``: CPU tensors, a batch of one.
+
+    ``labels`` hold ``IGNORE_INDEX`` wherever the loss mask is 0; with ``vocab_size`` > 0 the
+    token ids are checked against it (``where()`` names the microbatch in the error).
+    """
+    mb = micro.inputs
+    assert mb.tokens is not None
+    assert mb.position_ids is not None
+    assert mb.labels is not None
+    assert mb.loss_mask is not None
+    if vocab_size:
+        check_token_ids(mb.tokens, vocab_size, where)
+    labels = torch.where(mb.loss_mask != 0, mb.labels, torch.full_like(mb.labels, IGNORE_INDEX))
+    inputs = {"input": mb.tokens[None], "positions": mb.position_ids[None], MICROBATCH_KEY: micro}
+    return inputs, labels[None]
 
 
 class PlanTokenizer(BaseTokenizer):
@@ -144,20 +163,9 @@ class PlanDataLoader(BaseDataLoader):
                 f"(samples {samples})")
 
     def item(self, step: int, micro: Microbatch) -> tuple[dict[str, Any], torch.Tensor]:
-        """One microbatch as torchtitan's ``(input_dict, labels)``, CPU tensors, batch of 1."""
-        mb = micro.inputs
-        assert mb.tokens is not None
-        assert mb.position_ids is not None
-        assert mb.labels is not None
-        assert mb.loss_mask is not None
-        if self.config.vocab_size:
-            check_token_ids(mb.tokens, self.config.vocab_size,
-                            functools.partial(self._where, step, micro))
-        labels = torch.where(mb.loss_mask != 0, mb.labels, torch.full_like(mb.labels,
-                                                                           IGNORE_INDEX))
-        inputs = {"input": mb.tokens[None], "positions": mb.position_ids[None],
-                  MICROBATCH_KEY: micro}
-        return inputs, labels[None]
+        """One microbatch of ``step`` as torchtitan's ``(input_dict, labels)``."""
+        return titan_batch(micro, self.config.vocab_size,
+                           functools.partial(self._where, step, micro))
 
     def __iter__(self) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:
         while self.next_step < self.num_steps:

@@ -22,9 +22,18 @@ import torch.nn.functional as F
 from runtime.adapters.torchtitan.attention import PlanMasks
 from runtime.adapters.torchtitan.config import ADAMW_BETAS, ADAMW_EPS, max_seq_len
 from runtime.adapters.torchtitan.model import build_llama3, llama3_config
+from runtime.data.evaluation import check_eval_layout
 from runtime.data.plan_reader import PlanReader
 from runtime.data.tokens import TokenSource, open_token_source
-from runtime.train.common import StepLog, StepLogger, TrainConfig, TrainResult, resolve_device
+from runtime.train.common import (
+    EvalLog,
+    StepLog,
+    StepLogger,
+    TrainConfig,
+    TrainResult,
+    resolve_device,
+    should_evaluate,
+)
 from runtime.train.model import GPTConfig, check_token_ids
 
 
@@ -55,6 +64,38 @@ def _segments(reader: PlanReader, source: TokenSource, step: int, vocab_size: in
         yield read[:n], labels, mask
 
 
+def _evaluate(model: torch.nn.Module, reader: PlanReader, source: TokenSource, cfg: TrainConfig,
+              at_step: int, vocab_size: int, device: torch.device) -> EvalLog:
+    """The eval plan's first ``cfg.eval_steps`` steps (0: all), every segment alone, no grad."""
+    t0 = time.perf_counter()
+    num_steps = min(cfg.eval_steps, reader.num_steps) if cfg.eval_steps else reader.num_steps
+    total, count = 0.0, 0.0
+    model.train(False)
+    try:
+        with torch.no_grad():
+            for step in range(num_steps):
+                for seq, labels, mask in _segments(reader, source, step, vocab_size):
+                    logits = _forward(model, seq.to(device), cfg)
+                    losses = F.cross_entropy(logits[0].float(), labels.to(device),
+                                             reduction="none")
+                    total += float((losses * mask.to(device)).sum())
+                    count += float(mask.sum())
+    finally:
+        model.train(True)
+    return EvalLog(eval_at_step=at_step, eval_loss=total / max(count, 1.0),
+                   eval_tokens=int(count), eval_microbatches=0,
+                   seconds=time.perf_counter() - t0)
+
+
+def _forward(model: torch.nn.Module, seq: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
+    """Logits [1, n, V] of one whole sequence at positions 0..n-1."""
+    positions = torch.arange(len(seq), device=seq.device)[None]
+    with torch.autocast(seq.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16"):
+        out: torch.Tensor = model(seq[None], positions=positions,
+                                  attention_masks=PlanMasks(_causal))
+    return out
+
+
 def train_reference(cfg: TrainConfig, model_config: GPTConfig) -> TrainResult:
     """Run the oracle for ``cfg``'s steps; returns the logs and the final weights and grads."""
     if cfg.resume or cfg.save:
@@ -64,11 +105,19 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig) -> TrainResult:
     reader = PlanReader(cfg.plan)
     source = open_token_source(cfg.dataset)
     reader.check_dataset(source.lengths())
+    evaluation: tuple[PlanReader, TokenSource] | None = None
+    if cfg.eval_plan:
+        # The same refusals as the replayed run: the oracle evaluates what it would evaluate.
+        eval_reader = PlanReader(cfg.eval_plan)
+        check_eval_layout(eval_reader.header, reader.header, eval_source=cfg.eval_plan,
+                          train_source=cfg.plan)
+        eval_source = open_token_source(cfg.eval_dataset)
+        eval_reader.check_dataset(eval_source.lengths())
+        evaluation = (eval_reader, eval_source)
     config = llama3_config(model_config, max_seq_len=max_seq_len(reader))
     model = build_llama3(config, seed=cfg.seed).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=ADAMW_BETAS,
                                   eps=ADAMW_EPS, weight_decay=cfg.weight_decay, foreach=False)
-    masks = PlanMasks(_causal)
     logger = StepLogger(cfg, enabled=True)
     result = TrainResult()
     stop = min(cfg.steps, reader.num_steps) if cfg.steps else reader.num_steps
@@ -79,10 +128,7 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig) -> TrainResult:
             total, count, tokens = 0.0, 0.0, 0
             for seq, labels, mask in _segments(reader, source, step, model_config.vocab_size):
                 seq, labels, mask = seq.to(device), labels.to(device), mask.to(device)
-                positions = torch.arange(len(seq), device=device)[None]
-                with torch.autocast(device.type, dtype=torch.bfloat16,
-                                    enabled=cfg.dtype == "bf16"):
-                    logits = model(seq[None], positions=positions, attention_masks=masks)
+                logits = _forward(model, seq, cfg)
                 losses = F.cross_entropy(logits[0].float(), labels, reduction="none")
                 loss_sum = (losses * mask).sum()
                 loss_sum.backward()  # type: ignore[no-untyped-call]
@@ -98,9 +144,16 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig) -> TrainResult:
                           seconds=time.perf_counter() - t0)
             result.logs.append(log)
             logger.write(log)
+            if evaluation is not None and should_evaluate(cfg, step, stop - 1):
+                ev = _evaluate(model, *evaluation, cfg, step + 1, model_config.vocab_size,
+                               device)
+                result.evals.append(ev)
+                logger.write(ev)
     finally:
         logger.close()
         reader.close()
+        if evaluation is not None:
+            evaluation[0].close()
     result.state = {k: p.detach().cpu().clone() for k, p in model.named_parameters()}
     result.grads = {k: p.grad.detach().cpu().clone() for k, p in model.named_parameters()
                     if p.grad is not None}

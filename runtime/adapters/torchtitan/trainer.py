@@ -41,9 +41,10 @@ from runtime.adapters.torchtitan.titan import (
     gloo_sum_reduction,
     quiet_cpu_dtensor_warnings,
 )
+from runtime.adapters.torchtitan.validate import PlanValidator
 from runtime.data.batch import to_device
-from runtime.train.backends import ATTENTIONS, make_backend
-from runtime.train.common import StepLog, StepLogger, TrainConfig
+from runtime.train.backends import ATTENTIONS, AttentionBackend, make_backend
+from runtime.train.common import EvalLog, StepLog, StepLogger, TrainConfig
 
 
 class PlanMetrics(MetricsProcessor):
@@ -110,6 +111,19 @@ class PlanTrainer(Trainer):
                         log_jsonl=config.log_jsonl, quiet=config.quiet),
             enabled=dist.get_rank() == 0)
         self.logs: list[StepLog] = []
+        if config.validator.enable:
+            if not isinstance(self.validator, PlanValidator):
+                raise ValueError("validator: use PlanValidator.Config (an eval plan)")
+            train_layout = self.dataloader.reader.layout
+
+            def backend_for(layout: str) -> AttentionBackend:
+                if layout == train_layout:
+                    return self.backend
+                return make_backend(config.attention, layout, shape)
+
+            # Collective: every rank builds the same evaluation pass here.
+            self.validator.attach(self.dataloader, backend_for, self.device,
+                                  self.step_logger.write)
 
     @torch.no_grad()
     def load_seeded_weights(self, seed: int) -> None:
@@ -182,7 +196,16 @@ class PlanTrainer(Trainer):
                 grads[key] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().cpu()
         return state, grads
 
+    @property
+    def evals(self) -> list[EvalLog]:
+        """The evaluations this run made (empty without an eval plan)."""
+        validator = getattr(self, "validator", None)
+        return list(validator.logs) if isinstance(validator, PlanValidator) else []
+
     def close(self) -> None:
+        validator = getattr(self, "validator", None)
+        if isinstance(validator, PlanValidator):
+            validator.close()
         self.step_logger.close()
         self.dataloader.close()
         super().close()

@@ -3,7 +3,8 @@
 One spawn of 4 ranks (pool dp 2 x cp 2, FSDP over all 4) runs, against the real torchtitan
 package: the planner-made zigzag plan using CP groups of 1, 2 and 4 for 3 steps; the same plan
 saved after step 2 through torchtitan's checkpointer and resumed for step 3; a resume of that
-checkpoint with another plan (refused). The oracle (``--reference --framework torchtitan``: the
+checkpoint with another plan (refused); evaluation of an eval plan (CP 1/2/4) through
+torchtitan's validation hook after steps 2 and 3. The oracle (``--reference --framework torchtitan``: the
 same llama3 and weights, every segment alone, no CP, no FSDP) runs in the test process. fp32:
 per-step losses, the last step's gradients and the final parameters agree to 1e-5 relative.
 """
@@ -21,6 +22,7 @@ import torch
 from runtime.train.common import StepLog, TrainConfig, TrainResult
 from runtime.train.model import GPTConfig
 from tests.dist import run_distributed
+from tests.runtime.data.test_eval_dist import _eval_lengths, write_eval_set
 from tests.runtime.train.test_train_dist import _cp_sizes_used, _lengths, _plan, _write_dataset
 
 pytest.importorskip("torchtitan")
@@ -38,13 +40,19 @@ def _cfg(tmp: Path, plan: str = "zigzag", **kw: Any) -> TrainConfig:
                        **fields)
 
 
+def _with_eval(tmp: Path, **kw: Any) -> TrainConfig:
+    """Evaluate the eval plan after every 2 steps and after the last (steps 2 and 3)."""
+    return _cfg(tmp, eval_plan=str(tmp / "eval-zigzag.arrow"),
+                eval_dataset=str(tmp / "eval.arrow"), eval_interval=2, **kw)
+
+
 def _run(cfg: TrainConfig, *, keep_state: bool) -> dict[str, Any]:
     from runtime.adapters.torchtitan import build_trainer
 
     trainer = build_trainer(cfg, MODEL)
     try:
         trainer.train()
-        out: dict[str, Any] = {"logs": list(trainer.logs)}
+        out: dict[str, Any] = {"logs": list(trainer.logs), "evals": trainer.evals}
         if keep_state:
             out["state"], out["grads"] = trainer.full_state()
     finally:
@@ -55,7 +63,7 @@ def _run(cfg: TrainConfig, *, keep_state: bool) -> dict[str, Any]:
 def _rank_fn(rank: int, world_size: int, store: str, tmp_dir: str) -> dict[str, Any]:
     tmp = Path(tmp_dir)
     ckpt = str(tmp / "ckpt")
-    out = {"full": _run(_cfg(tmp, log_jsonl=str(tmp / "full.jsonl")), keep_state=True),
+    out = {"full": _run(_with_eval(tmp, log_jsonl=str(tmp / "full.jsonl")), keep_state=True),
            "save": _run(_cfg(tmp, steps=2, save=ckpt), keep_state=False),
            "resume": _run(_cfg(tmp, resume=ckpt), keep_state=True)}
     try:
@@ -72,6 +80,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any
     data = _write_dataset(tmp / "data.arrow", _lengths())
     _plan(tmp / "zigzag.arrow", data, "zigzag")
     _plan(tmp / "contiguous.arrow", data, "contiguous")
+    write_eval_set(tmp, _eval_lengths(), layout="zigzag", name="eval-zigzag")
     results = run_distributed(_rank_fn, 4, str(tmp), timeout=400)
     return tmp, results[0]
 
@@ -80,7 +89,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any
 def reference(world: tuple[Path, dict[str, Any]]) -> TrainResult:
     from runtime.adapters.torchtitan import train_reference
 
-    return train_reference(_cfg(world[0]), MODEL)
+    return train_reference(_with_eval(world[0]), MODEL)
 
 
 def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -106,8 +115,11 @@ def test_losses_grads_and_params_match_oracle(world: tuple[Path, dict[str, Any]]
     full = world[1]["full"]
     assert len(reference.logs) == STEPS
     _assert_same_losses(full["logs"], reference.logs)
-    # Gradients first: AdamW is nearly blind to a constant scale error in them.
-    _assert_close(full["grads"], reference.grads)
+    # Gradients first: AdamW is nearly blind to a constant scale error in them. They are read
+    # from the resumed run (its last step is step 2 too): the full run evaluated after step 2,
+    # and FSDP's forward frees some sharded gradients of the step before (harmless: the next
+    # step zeroes them anyway).
+    _assert_close(world[1]["resume"]["grads"], reference.grads)
     _assert_close(full["state"], reference.state)
     assert [g.microbatches for g in full["logs"]] == [
         _num_microbatches(world[0], s) for s in range(STEPS)]
@@ -120,8 +132,29 @@ def _num_microbatches(tmp: Path, step: int) -> int:
         return reader.step(step).num_microbatches
 
 
-def test_rank0_writes_one_json_line_per_step(world: tuple[Path, dict[str, Any]]) -> None:
-    lines = [json.loads(x) for x in (world[0] / "full.jsonl").read_text().splitlines()]
+def test_evaluation_through_the_validation_hook_matches_oracle(
+        world: tuple[Path, dict[str, Any]], reference: TrainResult) -> None:
+    from runtime.data.plan_reader import PlanReader
+
+    got = world[1]["full"]["evals"]
+    assert [e.eval_at_step for e in reference.evals] == [2, 3]
+    assert [e.eval_at_step for e in got] == [2, 3]
+    with PlanReader(world[0] / "eval-zigzag.arrow") as reader:
+        assert {int(k) for i in range(reader.num_steps) for k in reader.step(i).group_cp_size
+                } == {1, 2, 4}
+        num_microbatches = sum(reader.step(i).num_microbatches for i in range(reader.num_steps))
+    for g, w in zip(got, reference.evals, strict=True):
+        assert g.eval_tokens == w.eval_tokens > 0
+        assert abs(g.eval_loss - w.eval_loss) <= TOL * abs(w.eval_loss), (g, w)
+        assert g.eval_microbatches == num_microbatches
+    assert got[0].eval_loss != got[1].eval_loss  # the model trained in between
+
+
+def test_rank0_writes_one_json_line_per_step_and_evaluation(
+        world: tuple[Path, dict[str, Any]]) -> None:
+    every = [json.loads(x) for x in (world[0] / "full.jsonl").read_text().splitlines()]
+    lines = [x for x in every if "step" in x]
+    assert [x.get("eval_at_step") for x in every if "step" not in x] == [2, 3]
     assert [x["step"] for x in lines] == list(range(STEPS))
     assert {"step", "loss", "tokens", "loss_tokens", "microbatches", "seconds",
             "tokens_per_s"} <= lines[0].keys()
@@ -134,7 +167,8 @@ def test_resume_gives_the_uninterrupted_losses(world: tuple[Path, dict[str, Any]
     full, saved, resumed = results["full"], results["save"], results["resume"]
     assert [g.step for g in saved["logs"]] == [0, 1]
     assert [g.step for g in resumed["logs"]] == [2]
-    # Bit for bit on CPU: same data, exactly restored weights, optimizer and plan position.
+    # Bit for bit on CPU: same data, exactly restored weights, optimizer and plan position;
+    # and the uninterrupted run evaluated twice, the cut one never: evaluation changes nothing.
     assert [g.loss for g in saved["logs"] + resumed["logs"]] == [g.loss for g in full["logs"]]
     for name, want in full["state"].items():
         assert torch.equal(resumed["state"][name], want), name
