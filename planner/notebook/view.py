@@ -24,6 +24,7 @@ from planner.cost import CostModel, simulate_step, step_lower_bound
 from planner.planfile.io import PlanFile
 from planner.planfile.schema import COLUMN_NAMES, PlanHeader, column_numpy
 from planner.planfile.stats import min_num_microbatches
+from planner.solver.step import tight_lower_bound
 
 
 def read_plan(path: str | os.PathLike[str]) -> PlanView:
@@ -56,11 +57,16 @@ def step_summary_row(header: PlanHeader, cost: CostModel, step: int,
         "padded_tokens": int(padded[sample >= 0].sum()),
         "slot_fill": real / (n * cap * num_mb) if num_mb else 0.0,
         "simulated_s": simulate_step(cost, n, mb, start, k, padded),
-        "lower_bound_s": step_lower_bound(
-            cost, n, seg, header.cp_sizes, cap, tp_eff, header.layout,
-            min_num_microbatches(seg, header.cp_sizes, cap, tp_eff, header.layout, n,
-                                 header.parallel.microbatch_multiple)),
     }
+    need = min_num_microbatches(seg, header.cp_sizes, cap, tp_eff, header.layout, n,
+                                header.parallel.microbatch_multiple)
+    row["lower_bound_s"] = step_lower_bound(cost, n, seg, header.cp_sizes, cap, tp_eff,
+                                            header.layout, need)
+    # The tight bound (solver/bounds.py) and how far the step's time is above it.
+    tight = tight_lower_bound(seg, header.cp_sizes, cap, tp_eff, header.layout, n,
+                              cost.as_array(), need) if len(seg) else 0.0
+    row["tight_bound_s"] = tight
+    row["time_over_tight_bound"] = row["simulated_s"] / tight if tight > 0 else 0.0
     for size in header.cp_sizes:
         row[f"groups_cp{size}"] = int((group_first & (k == size)).sum())
     return row

@@ -9,8 +9,12 @@ Definitions (all over every step of every epoch):
   cost.step_lower_bound with the step's segment lengths and its minimum microbatch count
   (ceil(padded at the smallest fitting size / (N x C)), rounded up to the microbatch multiple):
   issue 3's bound, max(cheapest work / N, costliest single sequence) per step.
-  ``malleable_lower_bound_seconds`` = the sum of bounds.py's tighter bound (every sequence at
-  one size for both terms), at the same microbatch counts.
+  ``malleable_lower_bound_seconds`` = the sum of the tight bound per step (bounds.py: every
+  sequence at one size for both terms, and segments that need the whole pool add their whole
+  groups' time to everything else), at the same microbatch counts;
+  ``time_over_tight_bound`` = simulated / that sum, ``time_over_tight_bound_max`` the largest
+  ratio of one step (what a user waits for beyond what any schedule needs, in total and at
+  worst).
 - ``cp_size_groups`` counts groups that hold at least one real segment, per size (keys are
   strings so the header round-trips through JSON unchanged); ``filler_rows`` counts the rest.
 """
@@ -67,11 +71,15 @@ def plan_stats(steps: list[dict[str, NDArray[Any]]], step_segments: list[NDArray
     mult = config.parallel.microbatch_multiple
     sim = 0.0
     bound = 0.0
+    worst = 0.0
     mb_per_step = np.zeros(len(steps), dtype=np.int64)
     for i, (cols, seg) in enumerate(zip(steps, step_segments, strict=True)):
         mb_per_step[i] = int(cols["microbatch"][-1]) + 1
-        sim += simulate_step(cost, n, cols["microbatch"], cols["rank_start"], cols["cp_size"],
-                             cols["padded_tokens"])
+        t = simulate_step(cost, n, cols["microbatch"], cols["rank_start"], cols["cp_size"],
+                          cols["padded_tokens"])
+        sim += t
+        if tight_bounds is not None and tight_bounds[i] > 0:
+            worst = max(worst, t / tight_bounds[i])
         tp_eff = config.parallel.tp_eff
         need = min_num_microbatches(seg, config.sizes, cap, tp_eff, config.layout, n, mult)
         bound += step_lower_bound(cost, n, seg, config.sizes, cap, tp_eff, config.layout, need)
@@ -110,7 +118,9 @@ def plan_stats(steps: list[dict[str, NDArray[Any]]], step_segments: list[NDArray
         "slot_fill": real / (n * cap * total_mb) if total_mb else 0.0,
         "simulated_seconds": sim,
         "lower_bound_seconds": bound,
-        **({"malleable_lower_bound_seconds": float(sum(tight_bounds))}
+        **({"malleable_lower_bound_seconds": float(sum(tight_bounds)),
+            "time_over_tight_bound": sim / float(sum(tight_bounds)) if sum(tight_bounds) else 0.0,
+            "time_over_tight_bound_max": worst}
            if tight_bounds is not None else {}),
         "cp_size_groups": {str(k): int((group_k == k).sum()) for k in config.sizes},
         "filler_rows": int((~real_rows).sum()),

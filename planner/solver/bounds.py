@@ -88,3 +88,54 @@ def malleable_bound(lone: NDArray[np.float64], work: NDArray[np.float64],
             j += 1
         best = min(best, max(t, w / pool_size))
     return best
+
+
+@numba.njit(cache=True)
+def full_pool_bound(padded: NDArray[np.int64], time: NDArray[np.float64],
+                    work: NDArray[np.float64], fits: NDArray[np.bool_],
+                    min_level: NDArray[np.int64], sizes: NDArray[np.int64], capacity: int,
+                    cost: NDArray[np.float64]) -> float:
+    """The bound where segments need the whole pool (0 when none does), without fixed costs.
+
+    A segment whose only fitting size is the whole pool N runs in a group of all N ranks, which
+    overlaps nothing: every rank spends that group's time, ring latency (N - 1) x cp_fixed
+    included, and at least ceil(their padded tokens / (N C)) such groups exist. Everything
+    else at best spreads its cheapest rank-seconds (without any latency, which it may share
+    with those groups) evenly, or adds its time at the full pool to theirs. So
+
+        T >= sum_full time_N + G (N - k0) cp_fixed + max(sum_rest min work / N,
+                                                         max_rest min(time_N, min time))
+
+    on top of every rank's microbatch fixed costs (the caller adds those). The malleable bound
+    takes the maximum of one such segment's time and the average work, which undercounts a
+    full-pool segment next to work that cannot shrink below it.
+    """
+    n, num_levels = time.shape
+    top = num_levels - 1
+    pool = sizes[top]
+    k0 = sizes[0]
+    full_time = 0.0
+    full_tokens = 0
+    rest_work = 0.0
+    rest_single = 0.0
+    for i in range(n):
+        if min_level[i] == top:
+            full_time += time[i, top]
+            full_tokens += padded[i, top]
+            continue
+        # Cheapest rank-seconds without the latency share (it may ride on a full-pool group).
+        best = np.inf
+        fastest = np.inf
+        for lv in range(num_levels):
+            if fits[i, lv]:
+                k = sizes[lv]
+                best = min(best, k * time[i, lv])
+                fastest = min(fastest, time[i, lv] + (k - k0) * cost[2])
+        if fits[i, top]:
+            fastest = min(fastest, time[i, top])
+        rest_work += best
+        rest_single = max(rest_single, fastest)
+    if full_tokens == 0:
+        return 0.0
+    groups = -(-full_tokens // (pool * capacity))
+    return full_time + groups * (pool - k0) * cost[2] + max(rest_work / pool, rest_single)

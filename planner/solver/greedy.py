@@ -65,7 +65,8 @@ class StepAssignment:
     predicted_seconds: float
     """Our search's kernel makespan (fillers' token cost excluded), whichever rows won."""
     bound_seconds: float
-    """The step's malleable lower bound (bounds.py) at its fewest microbatches."""
+    """The step's tight lower bound at its fewest microbatches: the malleable bound, tightened
+    where segments need the whole pool (bounds.py)."""
     source: str
     """Which candidate the rows come from: ``dcp`` (our search), ``static-cp`` or
     ``megatron-greedy`` (candidates.py)."""
@@ -193,7 +194,7 @@ def assign_step(sample_index: NDArray[np.int64], token_offset: NDArray[np.int64]
         np.asarray(sample_index, np.int64), np.asarray(token_offset, np.int64), tokens,
         t.padded, t.order, best.item_level, item_group, g_level, g_block, num_groups,
         params.sizes, params.pool_size, best.num_mb, int(params.multiples[0]))
-    bound = problem.bound(min_microbatches(t, params))
+    bound = problem.tight_bound(min_microbatches(t, params))
     rows, source, seconds = best_rows(
         Rows(mb, start, k, sample, offset, ntok, padded), np.asarray(sample_index, np.int64),
         np.asarray(token_offset, np.int64), tokens, cost=params.cost,

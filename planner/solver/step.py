@@ -19,7 +19,7 @@ from numpy.typing import NDArray
 from planner.config import PlannerConfig
 from planner.cost import CostModel
 from planner.groups import pad_multiple
-from planner.solver.bounds import malleable_bound
+from planner.solver.bounds import full_pool_bound, malleable_bound
 from planner.solver.items import ItemTables, item_tables
 from planner.solver.place import BALANCE, PACK, place
 
@@ -161,7 +161,10 @@ class StepProblem:
     tables: ItemTables
     params: PackingParams
     core_bound: float
-    """bounds.malleable_bound: the step's bound without microbatch fixed costs."""
+    """bounds.malleable_bound: the step's bound without microbatch fixed costs (the target)."""
+    tight_core: float = 0.0
+    """max(core_bound, bounds.full_pool_bound): the reported bound, without fixed costs. Not
+    the kernel's target: a target change would change plans this bound only describes."""
     spent: list[float]
     """Segments x blocks of the kernel passes run so far (one mutable cell)."""
 
@@ -192,6 +195,10 @@ class StepProblem:
     def bound(self, num_mb: int) -> float:
         """The step's malleable lower bound with ``num_mb`` microbatches."""
         return self.core_bound + num_mb * self.fixed_per_microbatch
+
+    def tight_bound(self, num_mb: int) -> float:
+        """The reported lower bound with ``num_mb`` microbatches (``tight_core`` + fixed)."""
+        return max(self.core_bound, self.tight_core) + num_mb * self.fixed_per_microbatch
 
     def run(self, num_mb: int, target: float, mode: int = BALANCE,
             forced: tuple[NDArray[np.int64], NDArray[np.int64]] | None = None
@@ -240,4 +247,20 @@ def make_problem(tokens: NDArray[np.int64], params: PackingParams) -> StepProble
     """Tables and bound of one step's segments."""
     t = item_tables(tokens, params.sizes, params.multiples, params.capacity, params.cost)
     core = malleable_bound(t.lone, t.work, t.fits, params.pool_size) if len(tokens) else 0.0
-    return StepProblem(tables=t, params=params, core_bound=float(core), spent=[0.0])
+    full = 0.0
+    if len(tokens) and int(params.sizes[-1]) == params.pool_size:
+        full = full_pool_bound(t.padded, t.time, t.work, t.fits, t.min_level, params.sizes,
+                               params.capacity, params.cost)
+    return StepProblem(tables=t, params=params, core_bound=float(core),
+                       tight_core=max(float(core), float(full)), spent=[0.0])
+
+
+def tight_lower_bound(tokens: NDArray[np.int64], sizes: tuple[int, ...], capacity: int,
+                      tp_eff: int, layout: str, pool_size: int, cost: NDArray[np.float64],
+                      num_mb: int) -> float:
+    """A step's tight bound (``StepProblem.tight_bound``) from its segment lengths alone."""
+    k = np.asarray(sizes, dtype=np.int64)
+    mults = np.array([pad_multiple(int(s), tp_eff, layout) for s in k], dtype=np.int64)
+    p = PackingParams(pool_size=pool_size, capacity=capacity, sizes=k, multiples=mults,
+                      cost=np.asarray(cost, np.float64), microbatch_multiple=1)
+    return make_problem(np.asarray(tokens, np.int64), p).tight_bound(num_mb)

@@ -25,3 +25,8 @@ def test_summary_sums_to_header_stats(tmp_path: Path, par: dict[str, object]) ->
     assert np.isclose(sum(summary.column("simulated_s").to_pylist()),
                       stats["simulated_seconds"], rtol=1e-12)
     assert sum(summary.column("microbatches").to_pylist()) == stats["num_microbatches"]
+    # The per-step tight bound is the one the planner summed into the header.
+    assert np.isclose(sum(summary.column("tight_bound_s").to_pylist()),
+                      stats["malleable_lower_bound_seconds"], rtol=1e-9)
+    assert np.isclose(max(summary.column("time_over_tight_bound").to_pylist()),
+                      stats["time_over_tight_bound_max"], rtol=1e-9)

@@ -178,3 +178,17 @@ def test_effort_max_is_at_least_as_good_as_fast_on_long_tails() -> None:
         total[effort] = sum(plan_step(long_tail(np.random.default_rng(s), 300, 12 * 16_384), p)
                             .predicted_seconds for s in range(6))
     assert total["max"] <= total["fast"] * (1 + 1e-9)
+
+
+def test_segments_that_need_the_whole_pool_tighten_the_bound() -> None:
+    # Two 20,000-token segments need all 8 ranks (4 x 4096 < 20,000): their groups overlap
+    # nothing, so the bound adds their time to the rest's instead of taking the larger.
+    rng = np.random.default_rng(1)
+    tokens = np.r_[[20_000, 20_000], rng.integers(2000, 4000, 40)].astype(np.int64)
+    p = params(4, 2, 4096, cost=load_cost_model("h200-8x2048-te"), baselines=False)
+    problem = make_problem(tokens, p)
+    m = min_microbatches(problem.tables, p)
+    assert problem.tight_bound(m) > problem.bound(m) * 1.01
+    out = plan_step(tokens, p)
+    assert out.bound_seconds == problem.tight_bound(m)
+    assert out.bound_seconds <= simulate(out, p, load_cost_model("h200-8x2048-te")) * (1 + 1e-9)
