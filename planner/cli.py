@@ -72,6 +72,9 @@ def _plan_parser() -> argparse.ArgumentParser:
                    "kept, planned with the forward-only cost; the global batch flags set one "
                    "eval step (not with --drop-last, --epochs or --seed)")
     p.add_argument("--layout", choices=LAYOUTS, default="zigzag", help="CP sharding layout")
+    p.add_argument("--pad-to-multiple", type=int, default=1, metavar="N",
+                   help="also pad every sequence to a multiple of N (e.g. 16 for FP8 GEMMs); "
+                   "the padding counts in --max-tokens-per-rank (default 1: only the CP/SP rule)")
     p.add_argument("--cp-sizes", type=_int_list, default=(), metavar="LIST",
                    help="allowed group sizes, e.g. 1,2,4,8 (default: Megatron's valid sizes)")
     p.add_argument("--min-cp", type=int, default=1, help="smallest group size for any sequence")
@@ -144,7 +147,7 @@ def cmd_plan(argv: list[str]) -> int:
         seed=0 if args.seed is None else args.seed,
         epochs=1 if args.epochs is None else args.epochs, layout=args.layout,
         cp_sizes=args.cp_sizes, min_cp=args.min_cp, long_sequences=args.long_sequences,
-        drop_last=args.drop_last,
+        drop_last=args.drop_last, pad_to_multiple=args.pad_to_multiple,
         effort=args.effort, cost_model=args.cost_model, workers=args.workers,
         kind="eval" if args.eval else "train",
         solver=SolverConfig(microbatch_tolerance=args.microbatch_tolerance))

@@ -138,6 +138,9 @@ class PlannerConfig:
     kind: str = "train"
     """``train``: epochs of seeded permutations; ``eval``: one pass in file order, the last partial
     batch kept, planned with the cost model's forward-only cost (no epochs, seed or drop_last)."""
+    pad_to_multiple: int = 1
+    """Every segment's padded length is also a multiple of this (e.g. 16 for FP8 GEMMs); the
+    padding counts in capacity. 1: only the sharding rule (groups.pad_multiple)."""
     sizes: tuple[int, ...] = field(init=False)
     """Resolved group sizes (set from cp_sizes and min_cp)."""
 
@@ -172,6 +175,8 @@ class PlannerConfig:
             if self.seed != 0:
                 raise ValueError(f"an eval plan is in file order: seed must be 0, got "
                                  f"{self.seed}")
+        if self.pad_to_multiple < 1:
+            raise ValueError(f"pad to multiple must be >= 1, got {self.pad_to_multiple}")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.effort not in EFFORTS:

@@ -204,7 +204,7 @@ def simulate_step(cost: CostModel, pool_size: int, microbatch: NDArray[np.intege
 
 def step_lower_bound(cost: CostModel, pool_size: int, lengths: NDArray[np.integer],
                      sizes: tuple[int, ...], capacity: int, tp_eff: int, layout: str,
-                     num_microbatches_min: int = 1) -> float:
+                     num_microbatches_min: int = 1, *, pad_to: int = 1) -> float:
     """max(sum of each sequence's cheapest rank-seconds / N, the costliest single sequence).
 
     A sequence's cheapest work is min over feasible k of k * t(k) (rank-seconds, no microbatch
@@ -218,7 +218,7 @@ def step_lower_bound(cost: CostModel, pool_size: int, lengths: NDArray[np.intege
     best_time = np.full(L.shape, np.inf)
     c = cost.as_array()
     for k in sizes:
-        m = pad_multiple(k, tp_eff, layout)
+        m = pad_multiple(k, tp_eff, layout, pad_to)
         P = (-(-L // m) * m).astype(np.float64)
         fits = k * capacity >= P
         work = c[0] * P + c[1] * P * P + (k - 1) * c[3] * P

@@ -11,6 +11,8 @@ Rules (Megatron's dynamic CP, see shared DOMAIN.md):
 - Padding is to the group size actually used (not Megatron's 2*N*tp'): with zigzag sharding and
   k > 1 a sequence is padded to a multiple of 2*k*tp', with contiguous sharding to k*tp', and at
   k == 1 to tp' (tp' = tp with sequence parallelism, else 1).
+- ``pad_to`` (``dcp-plan --pad-to-multiple N``, e.g. 16 for FP8 GEMMs) makes every padded length
+  also a multiple of N: the multiple becomes lcm(rule above, N). The padding counts in capacity.
 
 Example: N=8, sizes (1, 2, 4, 8): the catalog is 8 groups of 1, 4 of 2, 2 of 4 and 1 of 8, in that
 order; a 1000-token sequence at k=4 with zigzag and tp'=1 pads to 1000 (a multiple of 8), at
@@ -19,6 +21,7 @@ k=4 with tp'=3 to 1008 (a multiple of 24).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 MAX_SEGMENT_TOKENS = 2**31 - 1
@@ -83,28 +86,36 @@ def is_aligned(rank_start: int, size: int, pool_size: int) -> bool:
     return size >= 1 and rank_start % size == 0 and 0 <= rank_start <= pool_size - size
 
 
-def pad_multiple(cp_size: int, tp_eff: int, layout: str) -> int:
-    """The multiple a sequence's padded length must be at group size ``cp_size``."""
+def pad_multiple(cp_size: int, tp_eff: int, layout: str, pad_to: int = 1) -> int:
+    """The multiple a sequence's padded length must be at group size ``cp_size``.
+
+    ``pad_to``: an extra alignment every padded length must also meet (the result is the least
+    common multiple); 1 leaves the sharding rule alone.
+    """
     if cp_size == 1:
-        return tp_eff
-    if layout == ZIGZAG:
-        return 2 * cp_size * tp_eff
-    if layout == CONTIGUOUS:
-        return cp_size * tp_eff
-    raise ValueError(f"unknown layout {layout!r} (expected one of {', '.join(LAYOUTS)})")
+        base = tp_eff
+    elif layout == ZIGZAG:
+        base = 2 * cp_size * tp_eff
+    elif layout == CONTIGUOUS:
+        base = cp_size * tp_eff
+    else:
+        raise ValueError(f"unknown layout {layout!r} (expected one of {', '.join(LAYOUTS)})")
+    return base if pad_to == 1 else math.lcm(base, pad_to)
 
 
-def padded_length(num_tokens: int, cp_size: int, tp_eff: int, layout: str) -> int:
+def padded_length(num_tokens: int, cp_size: int, tp_eff: int, layout: str,
+                  pad_to: int = 1) -> int:
     """``num_tokens`` rounded up to the alignment multiple of the group size."""
-    m = pad_multiple(cp_size, tp_eff, layout)
+    m = pad_multiple(cp_size, tp_eff, layout, pad_to)
     return -(-num_tokens // m) * m
 
 
 def min_cp_size(
-    num_tokens: int, capacity: int, sizes: Sequence[int], tp_eff: int, layout: str
+    num_tokens: int, capacity: int, sizes: Sequence[int], tp_eff: int, layout: str,
+    pad_to: int = 1,
 ) -> int | None:
     """Smallest size k in ``sizes`` whose k ranks hold the padded sequence, or None if none does."""
     for k in sorted(sizes):
-        if padded_length(num_tokens, k, tp_eff, layout) <= k * capacity:
+        if padded_length(num_tokens, k, tp_eff, layout, pad_to) <= k * capacity:
             return k
     return None

@@ -84,7 +84,7 @@ def segment_capacity(config: PlannerConfig) -> tuple[int, int]:
     tp_eff = config.parallel.tp_eff
     best = (0, config.sizes[-1])
     for k in config.sizes:
-        m = pad_multiple(k, tp_eff, config.layout)
+        m = pad_multiple(k, tp_eff, config.layout, config.pad_to_multiple)
         hold = min(k * config.capacity_tokens_per_rank, MAX_SEGMENT_TOKENS)
         best = max(best, (hold // m * m, k))
     return best
@@ -94,7 +94,8 @@ def apply_long_policy(lengths: NDArray[np.int64], config: PlannerConfig) -> Long
     """Apply ``config.long_sequences`` to every sample that no allowed group size holds."""
     tp_eff = config.parallel.tp_eff
     cap = config.capacity_tokens_per_rank
-    fits = min_padded(lengths, config.sizes, cap, tp_eff, config.layout) > 0
+    fits = min_padded(lengths, config.sizes, cap, tp_eff, config.layout,
+                      config.pad_to_multiple) > 0
     long_idx = np.flatnonzero(~fits & (lengths > 0))
     seg, seg_k = segment_capacity(config)
     tokens = np.where(lengths > 0, lengths, 0).astype(np.int64)
@@ -246,6 +247,7 @@ def make_plan(table: LengthTable, config: PlannerConfig, cost: CostModel, *,
         stats=stats,
         epochs=tuple(epochs),
         solver=params.header(),
+        pad_to_multiple=config.pad_to_multiple,
         kind=config.kind,
     )
     return Plan(header=header, steps=steps)

@@ -58,13 +58,14 @@ def step_summary_row(header: PlanHeader, cost: CostModel, step: int,
         "slot_fill": real / (n * cap * num_mb) if num_mb else 0.0,
         "simulated_s": simulate_step(cost, n, mb, start, k, padded),
     }
+    pad_to = header.pad_to_multiple
     need = min_num_microbatches(seg, header.cp_sizes, cap, tp_eff, header.layout, n,
-                                header.parallel.microbatch_multiple)
+                                header.parallel.microbatch_multiple, pad_to)
     row["lower_bound_s"] = step_lower_bound(cost, n, seg, header.cp_sizes, cap, tp_eff,
-                                            header.layout, need)
+                                            header.layout, need, pad_to=pad_to)
     # The tight bound (solver/bounds.py) and how far the step's time is above it.
     tight = tight_lower_bound(seg, header.cp_sizes, cap, tp_eff, header.layout, n,
-                              cost.as_array(), need) if len(seg) else 0.0
+                              cost.as_array(), need, pad_to) if len(seg) else 0.0
     row["tight_bound_s"] = tight
     row["time_over_tight_bound"] = row["simulated_s"] / tight if tight > 0 else 0.0
     for size in header.cp_sizes:

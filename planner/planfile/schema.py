@@ -95,6 +95,9 @@ class PlanHeader:
     solver: dict[str, Any] = field(default_factory=dict)
     kind: str = TRAIN
     """``train`` or ``eval`` (PLAN_KINDS); absent in version 1, which reads as ``train``."""
+    pad_to_multiple: int = 1
+    """Every padded length is also a multiple of this (``--pad-to-multiple``). Written only when
+    > 1, so plans made without the option keep their bytes; absent reads as 1."""
     format_version: int = FORMAT_VERSION
     creator: dict[str, str] = field(
         default_factory=lambda: {"name": CREATOR, "version": CREATOR_VERSION}
@@ -109,6 +112,8 @@ class PlanHeader:
         d = asdict(self)
         d["cp_sizes"] = list(self.cp_sizes)
         d["epochs"] = [list(e) for e in self.epochs]
+        if self.pad_to_multiple == 1:
+            del d["pad_to_multiple"]
         return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
     @classmethod
@@ -140,6 +145,7 @@ class PlanHeader:
                 epochs=tuple((int(a), int(b)) for a, b in d.get("epochs", [])),
                 solver=dict(d.get("solver", {})),
                 kind=str(d.get("kind", TRAIN)),
+                pad_to_multiple=int(d.get("pad_to_multiple", 1)),
                 format_version=int(version),
                 creator=dict(d.get("creator", {})),
             )

@@ -32,7 +32,7 @@ from planner.groups import MAX_SEGMENT_TOKENS, pad_multiple
 
 
 def min_padded(tokens: NDArray[np.int64], sizes: tuple[int, ...], capacity: int, tp_eff: int,
-               layout: str) -> NDArray[np.int64]:
+               layout: str, pad_to: int = 1) -> NDArray[np.int64]:
     """Each segment's padded length at the smallest group size that holds it (0: none does).
 
     A group holds k x C padded tokens, and one segment at most MAX_SEGMENT_TOKENS (int32 rows).
@@ -40,20 +40,21 @@ def min_padded(tokens: NDArray[np.int64], sizes: tuple[int, ...], capacity: int,
     tokens = np.asarray(tokens, dtype=np.int64)
     out = np.zeros(len(tokens), dtype=np.int64)
     for k in sorted(sizes, reverse=True):
-        m = pad_multiple(k, tp_eff, layout)
+        m = pad_multiple(k, tp_eff, layout, pad_to)
         p = -(-tokens // m) * m
         out = np.where(p <= min(k * capacity, MAX_SEGMENT_TOKENS), p, out)
     return out
 
 
 def min_num_microbatches(tokens: NDArray[np.int64], sizes: tuple[int, ...], capacity: int,
-                         tp_eff: int, layout: str, pool_size: int, multiple: int) -> int:
+                         tp_eff: int, layout: str, pool_size: int, multiple: int,
+                         pad_to: int = 1) -> int:
     """ceil(padded tokens at the smallest sizes / (N C)), at least 1, rounded up to ``multiple``.
 
     The microbatch count the step's lower bound assumes; ``plan_stats`` and the notebook's
     per-step summary both use it, so their bounds agree.
     """
-    need = -(-int(min_padded(tokens, sizes, capacity, tp_eff, layout).sum())
+    need = -(-int(min_padded(tokens, sizes, capacity, tp_eff, layout, pad_to).sum())
              // (pool_size * capacity))
     return -(-max(need, 1) // multiple) * multiple
 
@@ -81,8 +82,11 @@ def plan_stats(steps: list[dict[str, NDArray[Any]]], step_segments: list[NDArray
         if tight_bounds is not None and tight_bounds[i] > 0:
             worst = max(worst, t / tight_bounds[i])
         tp_eff = config.parallel.tp_eff
-        need = min_num_microbatches(seg, config.sizes, cap, tp_eff, config.layout, n, mult)
-        bound += step_lower_bound(cost, n, seg, config.sizes, cap, tp_eff, config.layout, need)
+        pad_to = config.pad_to_multiple
+        need = min_num_microbatches(seg, config.sizes, cap, tp_eff, config.layout, n, mult,
+                                    pad_to)
+        bound += step_lower_bound(cost, n, seg, config.sizes, cap, tp_eff, config.layout, need,
+                                  pad_to=pad_to)
     if steps:
         cat = {c: np.concatenate([s[c] for s in steps])
                for c in ("step", "microbatch", "rank_start", "cp_size", "sample_index",

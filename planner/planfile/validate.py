@@ -101,11 +101,13 @@ def _check_step(
     # Padding rules.
     if np.any(padded < ntok) or np.any(ntok < 0):
         err.add(f"{where}: a segment has padded_tokens < num_tokens or negative num_tokens")
-    mult = np.where(k == 1, tp_eff, 0)
+    pad_to = header.pad_to_multiple
+    mult = np.where(k == 1, pad_multiple(1, tp_eff, header.layout, pad_to), 0)
     for kk in header.cp_sizes:
         if kk > 1:
-            mult = np.where(k == kk, pad_multiple(int(kk), tp_eff, header.layout), mult)
-    # Zigzag needs 2k*tp' (PLAN_FORMAT invariant 4); our contiguous layout pads to k*tp'.
+            mult = np.where(k == kk, pad_multiple(int(kk), tp_eff, header.layout, pad_to), mult)
+    # Zigzag needs 2k*tp' (PLAN_FORMAT invariant 4); our contiguous layout pads to k*tp'; with
+    # the header's pad_to_multiple N, every padded length is also a multiple of N.
     bad = padded % mult != 0
     if bad.any():
         j = int(np.argmax(bad))
@@ -219,6 +221,8 @@ def _check_header(header: PlanHeader, err: _Errors) -> None:
         err.add(f"header: cp_sizes {sorted(bad_sizes)} are not valid for a pool of {p.pool_size}")
     if header.layout not in LAYOUTS:
         err.add(f"header: layout {header.layout!r} is not one of {', '.join(LAYOUTS)}")
+    if header.pad_to_multiple < 1:
+        err.add(f"header: pad_to_multiple {header.pad_to_multiple} is not >= 1")
     if header.capacity_tokens_per_rank < 1:
         err.add(f"header: capacity_tokens_per_rank {header.capacity_tokens_per_rank} is not >= 1")
     # Epochs must tile the steps in order: a gap or an overlap would leave steps unchecked.

@@ -88,7 +88,11 @@ class PackingParams:
         p = config.parallel
         s = config.solver
         sizes = np.asarray(config.sizes, dtype=np.int64)
-        mults = np.array([pad_multiple(int(k), p.tp_eff, config.layout) for k in sizes], np.int64)
+        mults = np.array([pad_multiple(int(k), p.tp_eff, config.layout, config.pad_to_multiple)
+                          for k in sizes], np.int64)
+        # The baseline candidates pad by their own rules (candidates.py); with an extra padding
+        # alignment their rows would break it, so they are not scored then.
+        baselines = s.baselines and config.pad_to_multiple == 1
         cpsat = s.cpsat_seconds if s.cpsat_seconds >= 0 else CPSAT_SECONDS[config.effort]
         return cls(pool_size=p.pool_size, capacity=config.capacity_tokens_per_rank, sizes=sizes,
                    multiples=mults, cost=cost.as_array(),
@@ -96,8 +100,8 @@ class PackingParams:
                    microbatch_tolerance=s.microbatch_tolerance, refine_gap=s.refine_gap,
                    cpsat_seconds=cpsat, cpsat_items=CPSAT_ITEMS[config.effort], seed=s.seed,
                    deltas=DELTAS.get(config.effort, ()),
-                   static_cp=p.cp if s.baselines and p.cp in config.sizes else 0,
-                   megatron=s.baselines and p.microbatch_multiple == 1, tp_eff=p.tp_eff,
+                   static_cp=p.cp if baselines and p.cp in config.sizes else 0,
+                   megatron=baselines and p.microbatch_multiple == 1, tp_eff=p.tp_eff,
                    layout=config.layout)
 
     def header(self) -> dict[str, Any]:
@@ -257,10 +261,10 @@ def make_problem(tokens: NDArray[np.int64], params: PackingParams) -> StepProble
 
 def tight_lower_bound(tokens: NDArray[np.int64], sizes: tuple[int, ...], capacity: int,
                       tp_eff: int, layout: str, pool_size: int, cost: NDArray[np.float64],
-                      num_mb: int) -> float:
+                      num_mb: int, pad_to: int = 1) -> float:
     """A step's tight bound (``StepProblem.tight_bound``) from its segment lengths alone."""
     k = np.asarray(sizes, dtype=np.int64)
-    mults = np.array([pad_multiple(int(s), tp_eff, layout) for s in k], dtype=np.int64)
+    mults = np.array([pad_multiple(int(s), tp_eff, layout, pad_to) for s in k], dtype=np.int64)
     p = PackingParams(pool_size=pool_size, capacity=capacity, sizes=k, multiples=mults,
                       cost=np.asarray(cost, np.float64), microbatch_multiple=1)
     return make_problem(np.asarray(tokens, np.int64), p).tight_bound(num_mb)

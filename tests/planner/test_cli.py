@@ -125,3 +125,68 @@ def test_notebook_view_conversions_and_plots(tmp_path: Path) -> None:
     assert plan.step(2).column("step").to_pylist() == [2] * plan.step(2).num_rows
     assert plan.plot_step_load(0) is not None
     assert plan.plot_cp_mix() is not None
+
+
+def _pad_plan(tmp_path: Path, lengths: list[int], *extra: str) -> Path:
+    data = tmp_path / "lengths.txt"
+    data.write_text("".join(f"{n}\n" for n in lengths))
+    out = tmp_path / f"pad{'-'.join(extra) or '1'}.arrow"
+    assert main([str(data), "--dp", "3", "--cp", "2", "--max-tokens-per-rank", "2048",
+                 "--global-batch-size", str(len(lengths)), "-o", str(out), "--quiet",
+                 *extra]) == 0
+    return out
+
+
+def test_pad_to_multiple_seed_case_fits_one_microbatch(tmp_path: Path) -> None:
+    # The seed's case: twelve 1024-token rows on pool 6 (dp 3 x cp 2), C = 2048. Megatron pads
+    # to 2N = 12 (1032 tokens, two no longer fit a rank); padded to multiples of 32 they stay
+    # 1024, and every group of every microbatch fits its k x C after padding.
+    plan = read_plan(_pad_plan(tmp_path, [1024] * 12, "--pad-to-multiple", "32"))
+    assert plan.header.pad_to_multiple == 32
+    step = plan.step(0).to_pydict()
+    assert all(p % 32 == 0 for p in step["padded_tokens"])
+    load: dict[tuple[int, int, int], int] = {}
+    for m, r, k, p in zip(step["microbatch"], step["rank_start"], step["cp_size"],
+                          step["padded_tokens"], strict=True):
+        load[(m, r, k)] = load.get((m, r, k), 0) + p
+    assert all(total <= k * 2048 for (_, _, k), total in load.items())
+    assert sum(p for p, s in zip(step["padded_tokens"], step["sample_index"], strict=True)
+               if s >= 0) == 12 * 1024
+
+
+def test_pad_to_multiple_counts_in_capacity(tmp_path: Path) -> None:
+    # 1000-token rows pad to 1024 with N = 32: still two per rank. 1030-token rows pad to 1056:
+    # two no longer fit 2048, so the plan needs more room than the same rows without the option.
+    plan = read_plan(_pad_plan(tmp_path, [1000] * 12, "--pad-to-multiple", "32"))
+    step = plan.step(0).to_pydict()
+    assert {p for p, s in zip(step["padded_tokens"], step["sample_index"], strict=True)
+            if s >= 0} == {1024}
+    tight = read_plan(_pad_plan(tmp_path, [1030] * 12, "--pad-to-multiple", "32")).step(0)
+    loose = read_plan(_pad_plan(tmp_path, [1030] * 12)).step(0)
+    rows = tight.to_pydict()
+    for p, k, s in zip(rows["padded_tokens"], rows["cp_size"], rows["sample_index"], strict=True):
+        assert p % 32 == 0
+        assert p % (2 * k if k > 1 else 1) == 0
+        if s >= 0:
+            assert p >= 1056
+    total = lambda b: sum(b.to_pydict()["padded_tokens"])  # noqa: E731
+    assert total(tight) > total(loose)
+
+
+def test_pad_to_multiple_default_leaves_the_header_alone(tmp_path: Path) -> None:
+    plan = _pad_plan(tmp_path, [1024] * 12)
+    again = _pad_plan(tmp_path, [1024] * 12, "--pad-to-multiple", "1")
+    assert hashlib.sha256(plan.read_bytes()).digest() == hashlib.sha256(again.read_bytes()).digest()
+    assert "pad_to_multiple" not in json.loads(read_plan(plan).header.to_json())
+    assert read_plan(plan).header.pad_to_multiple == 1
+
+
+def test_pad_to_multiple_below_one_is_a_clear_error(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "lengths.txt"
+    data.write_text("10\n")
+    assert main([str(data), "--dp", "1", "--cp", "1", "--max-tokens-per-rank", "64",
+                 "--global-batch-size", "1", "--pad-to-multiple", "0",
+                 "-o", str(tmp_path / "x")]) == 2
+    assert "pad to multiple must be >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

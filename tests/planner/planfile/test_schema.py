@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -9,9 +11,10 @@ import pyarrow.ipc as ipc
 import pytest
 
 from planner.planfile.io import PlanFile, write_plan
-from planner.planfile.schema import arrow_schema, step_batch
+from planner.planfile.schema import PlanHeader, arrow_schema, step_batch
 from planner.planfile.validate import validate
 from tests.planner.planfile import handmade
+from tests.runtime.planfactory import header, write
 
 
 def batches(h=None, steps=None):  # noqa: ANN001, ANN201
@@ -187,3 +190,17 @@ def test_write_plan_validates_and_writes_nothing_when_invalid(tmp_path) -> None:
         write_plan(target, h, batches(h, steps), lengths=handmade.LENGTHS)
     assert not target.exists()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_pad_to_multiple_round_trips_and_is_enforced(tmp_path: Path) -> None:
+    lengths = np.array([5, 7], dtype=np.int64)
+    hdr = replace(header(lengths, dp=1, cp=1, capacity=64), pad_to_multiple=8)
+    assert PlanHeader.from_json(hdr.to_json()) == hdr
+    assert '"pad_to_multiple":8' in hdr.to_json()
+    ok = [[(0, 0, 1, 0, 0, 5, 8), (0, 0, 1, 1, 0, 7, 8)]]
+    write(tmp_path / "ok.arrow", hdr, ok)
+    bad = [[(0, 0, 1, 0, 0, 5, 5), (0, 0, 1, 1, 0, 7, 8)]]
+    with pytest.raises(ValueError, match="not a multiple of 8"):
+        write(tmp_path / "bad.arrow", hdr, bad)
+    with pytest.raises(ValueError, match="pad_to_multiple 0"):
+        write(tmp_path / "zero.arrow", replace(hdr, pad_to_multiple=0), ok)
