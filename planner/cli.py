@@ -1,22 +1,35 @@
 """`dcp-plan`: plan a dataset, validate a plan, show a plan.
 
-    dcp-plan DATASET --dp D --cp C --max-tokens-per-rank CAP --global-batch-size B [...]
-    dcp-plan DATASET --eval --dp D --cp C --max-tokens-per-rank CAP --global-batch-size B
-    dcp-plan validate PLAN [DATASET]
-    dcp-plan show PLAN [--steps A:B]
+    dcp-plan [plan] DATASET... --dp D [--cp C] --max-tokens-per-rank CAP --global-batch-size B
+    dcp-plan DATASET... --eval --dp D [--cp C] --max-tokens-per-rank CAP --global-batch-size B
+    dcp-plan validate PLAN [DATASET...]
+    dcp-plan show PLAN [--steps A:B | --step I]
 
 Only this module uses argparse; it builds the frozen configs and calls the pure planner.
-User errors (bad flags, bad records, impossible configs) exit with a one-line message, never a
-traceback; nothing is written unless the whole plan was made and validated.
+Megatron-LM's names are aliases of the same flags (``--context-parallel-size`` is ``--cp``): one
+argparse action each, so both spellings give byte-identical plans. User errors (bad flags, bad
+records, impossible configs) exit with status 2 and a one-line message naming the flag, file or
+sample, never a traceback; nothing is written unless the whole plan was made and validated.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
 
+from planner.cliargs import (
+    HelpFormatter,
+    add_json_arguments,
+    add_version,
+    emit_summary,
+    flag_message,
+    nonnegative_int,
+    positive_int,
+    refuse,
+)
 from planner.config import (
     EFFORTS,
     LONG_SEQUENCE_POLICIES,
@@ -25,7 +38,64 @@ from planner.config import (
     SolverConfig,
 )
 from planner.groups import LAYOUTS
-from planner.planfile.schema import PlanHeader
+
+PROG = "dcp-plan"
+USAGE = """dcp-plan [plan] DATASET... --dp D [--cp C] --max-tokens-per-rank CAP
+                       (--global-batch-size B | --global-batch-tokens T) [options]
+       dcp-plan validate PLAN [DATASET...]   check a plan (and its coverage of DATASET)
+       dcp-plan show PLAN [--steps A:B]       per-step table ('dcp-plan show --help')"""
+EPILOG = """\
+commands:
+  plan       (the default) plan DATASET and write the plan file
+  validate   check a plan file's invariants, and with DATASET its coverage and fingerprint
+  show       print a plan's per-step table, or every row of one step
+
+datasets:
+  DATASET is one or more files, directories or (quoted) globs, in the order given; a directory's
+  or glob's files in sorted path order. Formats: .jsonl (also .jsonl.gz, .jsonl.zst), .parquet,
+  .arrow, Megatron .idx/.bin (a prefix), .txt (one length per line). Megatron's --data-path takes
+  optional weights: '--data-path 0.3 a.jsonl 0.7 shards/' draws 30% / 70% of every global batch
+  from each entry (deterministic counts per step).
+
+Megatron-LM names work as aliases: --context-parallel-size, --tensor-model-parallel-size,
+--pipeline-model-parallel-size, --virtual-pipeline-model-parallel-size,
+--max-seqlen-per-dp-cp-rank, --data-path, --global-batch-size, --seed.
+"""
+
+FLAGS = {
+    "long_sequences": "--long-sequences",
+    "global_batch_size": "--global-batch-size",
+    "global_batch_tokens": "--global-batch-tokens",
+    "capacity_tokens_per_rank": "--max-tokens-per-rank",
+    "microbatch_group_size": "--microbatch-group-size",
+    "microbatch_tolerance": "--microbatch-tolerance",
+    "min_cp": "--min-cp",
+    "cp_sizes": "--cp-sizes",
+    "drop_last": "--drop-last",
+    "skip_bad_records": "--skip-bad-records",
+    "cost_model": "--cost-model",
+    "pad to multiple": "--pad-to-multiple",
+    "min_cp=": "--min-cp ",
+    "vpp=": "--vpp ",
+    "pp >=": "--pp >=",
+    "pp=": "--pp ",
+    "dp=": "--dp ",
+    "cp=": "--cp ",
+    "tp=": "--tp ",
+    "epochs=": "--epochs ",
+    "workers=": "--workers ",
+    "field=": "--field ",
+}
+"""Python field names in library errors -> the flags a command-line user sets."""
+
+MEGATRON_REFUSED = {
+    "--micro-batch-size": "dcp-plan chooses every step's microbatches; bound their size with "
+    "--max-tokens-per-rank (Megatron's --max-seqlen-per-dp-cp-rank)",
+    "--seq-length": "samples keep their own lengths; cap the padded tokens per rank with "
+    "--max-tokens-per-rank and choose what happens to longer samples with --long-sequences",
+    "--num-microbatches": "microbatch counts are planned per step; see --microbatch-tolerance",
+}
+"""Megatron flags that mean nothing here, refused with what to use instead."""
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -33,109 +103,160 @@ def _int_list(text: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected a comma-separated list of ints, got {text!r}") from None
+            f"expected a comma-separated list of ints such as 1,2,4, got {text!r}") from None
+
+
+def _step_range(text: str) -> tuple[int, int | None]:
+    """``A:B``, ``A:`` or ``:B`` (steps A..B-1), or ``A`` (that step only)."""
+    a, colon, b = text.partition(":")
+    try:
+        lo = int(a) if a.strip() else 0
+        hi = int(b) if b.strip() else None
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a step range A:B such as 0:10 (or A: or :B), got {text!r}") from None
+    if not colon:
+        hi = lo + 1
+    if lo < 0 or (hi is not None and hi < lo):
+        raise argparse.ArgumentTypeError(f"expected 0 <= A <= B in A:B, got {text!r}")
+    return lo, hi
+
+
+def _add_dataset_arguments(p: argparse.ArgumentParser, *, required: bool) -> None:
+    p.add_argument("dataset", nargs="*", metavar="DATASET",
+                   help="dataset files, directories or quoted globs, in order (see below)"
+                   if required else "the plan's dataset, as given to dcp-plan: also check "
+                   "coverage to the last token and the fingerprints")
+    p.add_argument("--data-path", nargs="+", metavar="[WEIGHT] PATH", default=None,
+                   help="Megatron-style dataset list instead of DATASET, with optional "
+                   "weights: 'W1 PATH1 W2 PATH2 ...'")
+    p.add_argument("--skip-bad-records", action="store_true",
+                   help="skip malformed records (reported) instead of stopping"
+                   if required else "read the dataset as the plan was made with "
+                   "--skip-bad-records")
+    p.add_argument("--field", help="record field with tokens or a length (default: input_ids, "
+                   "tokens, length, num_tokens, the first present)")
 
 
 def _plan_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="dcp-plan",
+        prog=PROG, usage=USAGE, epilog=EPILOG, formatter_class=HelpFormatter,
         description="Plan dynamic context parallelism offline: per microbatch, a partition of "
-        "the dp x cp rank pool into CP groups and the sequences each group packs. "
-        "Subcommands: 'dcp-plan validate PLAN [DATASET]', 'dcp-plan show PLAN'.",
-    )
-    p.add_argument("dataset", help="JSONL, Parquet, Arrow, Megatron .idx/.bin prefix, or .txt "
-                   "(one length per line)")
-    p.add_argument("-o", "--output", help="plan file (default: plans/<dataset stem>.arrow)")
-    p.add_argument("--dp", type=int, required=True, help="data-parallel size")
-    p.add_argument("--cp", type=int, required=True, help="context-parallel size; pool = dp x cp")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    p.add_argument("--sequence-parallel", action="store_true",
-                   help="sequence parallelism: pad sequences to multiples of tp too")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    p.add_argument("--vpp", type=int, default=1, help="virtual pipeline stages per rank")
-    p.add_argument("--microbatch-group-size", type=int, default=0,
-                   help="with vpp > 1, microbatch counts are multiples of this (default: pp)")
-    p.add_argument("--max-tokens-per-rank", type=int, required=True, metavar="CAP",
-                   help="padded tokens one rank may hold in one microbatch")
-    g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--global-batch-size", type=int, default=0, metavar="B",
+        "the dp x cp rank pool into CP groups and the sequences each group packs.")
+    add_version(p)
+    _add_dataset_arguments(p, required=True)
+    p.add_argument("-o", "--output",
+                   help="plan file (default: plans/<first dataset's stem>.arrow)")
+    par = p.add_argument_group("parallel layout (pool = dp x cp ranks)")
+    par.add_argument("--dp", "--data-parallel-size", dest="dp", type=positive_int,
+                     required=True, metavar="D", help="data-parallel size")
+    par.add_argument("--cp", "--context-parallel-size", dest="cp", type=positive_int, default=1,
+                     metavar="C", help="context-parallel size; the pool is dp x cp ranks")
+    par.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=positive_int,
+                     default=1, metavar="T", help="tensor-parallel size")
+    par.add_argument("--sequence-parallel", action="store_true",
+                     help="sequence parallelism: pad sequences to multiples of tp too")
+    par.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=positive_int,
+                     default=1, metavar="P", help="pipeline-parallel size")
+    par.add_argument("--vpp", "--virtual-pipeline-model-parallel-size", dest="vpp",
+                     type=positive_int, default=1, metavar="V",
+                     help="virtual pipeline stages per rank (needs --pp >= 2)")
+    par.add_argument("--microbatch-group-size",
+                     "--microbatch-group-size-per-virtual-pipeline-stage",
+                     dest="microbatch_group_size", type=nonnegative_int, default=0, metavar="G",
+                     help="with --vpp > 1, microbatch counts are multiples of this (0: pp)")
+    bat = p.add_argument_group("capacity and batches")
+    bat.add_argument("--max-tokens-per-rank", "--max-seqlen-per-dp-cp-rank",
+                     dest="max_tokens_per_rank", type=positive_int, required=True, metavar="CAP",
+                     help="padded tokens one rank may hold in one microbatch")
+    g = bat.add_mutually_exclusive_group(required=True)
+    g.add_argument("--global-batch-size", type=positive_int, metavar="B",
                    help="samples per optimizer step")
-    g.add_argument("--global-batch-tokens", type=int, default=0, metavar="T",
+    g.add_argument("--global-batch-tokens", type=positive_int, metavar="T",
                    help="real tokens per optimizer step (samples added in permutation order)")
-    p.add_argument("--drop-last", action="store_true",
-                   help="drop each epoch's final partial global batch")
-    p.add_argument("--seed", type=int, default=None, help="seed of the per-epoch permutation "
-                   "(default 0)")
-    p.add_argument("--epochs", type=int, default=None, help="epochs to plan (default 1)")
-    p.add_argument("--eval", action="store_true",
-                   help="an evaluation plan: one pass in file order, the last partial batch "
-                   "kept, planned with the forward-only cost; the global batch flags set one "
-                   "eval step (not with --drop-last, --epochs or --seed)")
-    p.add_argument("--layout", choices=LAYOUTS, default="zigzag", help="CP sharding layout")
-    p.add_argument("--pad-to-multiple", type=int, default=1, metavar="N",
-                   help="also pad every sequence to a multiple of N (e.g. 16 for FP8 GEMMs); "
-                   "the padding counts in --max-tokens-per-rank (default 1: only the CP/SP rule)")
-    p.add_argument("--cp-sizes", type=_int_list, default=(), metavar="LIST",
-                   help="allowed group sizes, e.g. 1,2,4,8 (default: Megatron's valid sizes)")
-    p.add_argument("--min-cp", type=int, default=1, help="smallest group size for any sequence")
-    p.add_argument("--long-sequences", choices=LONG_SEQUENCE_POLICIES, default="error",
-                   help="a sample longer than the whole pool holds: error, split, truncate, drop")
-    p.add_argument("--skip-bad-records", action="store_true",
-                   help="skip malformed records (reported) instead of stopping")
-    p.add_argument("--field", help="record field with tokens or a length (default: input_ids, "
-                   "tokens, length, num_tokens, the first present)")
-    p.add_argument("--cost-model", default="default",
-                   help="cost-model preset name or JSON file (see planner/presets)")
-    p.add_argument("--effort", choices=EFFORTS, default="balanced", help="solver effort")
-    p.add_argument("--microbatch-tolerance", type=float, default=0.01, metavar="F",
-                   help="take more microbatches than the fewest that fit only when that is "
-                   "faster by more than F (relative); larger F gives fuller slots")
-    p.add_argument("--workers", type=int, default=1,
-                   help="processes that plan steps in parallel (the plan is the same for any N)")
-    p.add_argument("--quiet", action="store_true", help="no summary and no progress bar")
+    bat.add_argument("--drop-last", action="store_true",
+                     help="drop each epoch's final partial global batch")
+    bat.add_argument("--seed", type=int, default=None,
+                     help="seed of the per-epoch permutation (default 0)")
+    bat.add_argument("--epochs", type=positive_int, default=None,
+                     help="epochs to plan (default 1)")
+    bat.add_argument("--eval", action="store_true",
+                     help="an evaluation plan: one pass in file order, the last partial batch "
+                     "kept, planned with the forward-only cost; the global batch flags set one "
+                     "eval step (not with --drop-last, --epochs or --seed)")
+    sol = p.add_argument_group("groups and solver")
+    sol.add_argument("--layout", choices=LAYOUTS, default="zigzag", help="CP sharding layout")
+    sol.add_argument("--pad-to-multiple", type=positive_int, default=1, metavar="N",
+                     help="also pad every sequence to a multiple of N (e.g. 16 for FP8 GEMMs); "
+                     "the padding counts in --max-tokens-per-rank (1: only the CP/SP rule)")
+    sol.add_argument("--cp-sizes", type=_int_list, default=(), metavar="LIST",
+                     help="allowed group sizes, e.g. 1,2,4,8 (default: Megatron's valid sizes "
+                     "for the pool)")
+    sol.add_argument("--min-cp", type=positive_int, default=1,
+                     help="smallest group size for any sequence")
+    sol.add_argument("--long-sequences", choices=LONG_SEQUENCE_POLICIES, default="error",
+                     help="a sample longer than the whole pool holds: error, split, truncate, "
+                     "drop")
+    sol.add_argument("--cost-model", default="default",
+                     help="cost-model preset name or JSON file (see planner/presets)")
+    sol.add_argument("--effort", choices=EFFORTS, default="balanced", help="solver effort")
+    sol.add_argument("--microbatch-tolerance", type=float, default=0.01, metavar="F",
+                     help="take more microbatches than the fewest that fit only when that is "
+                     "faster by more than F (relative); larger F gives fuller slots")
+    sol.add_argument("--workers", type=positive_int, default=1,
+                     help="processes that plan steps in parallel (the plan is the same for any N)")
+    out = p.add_argument_group("output")
+    add_json_arguments(out)
+    out.add_argument("--quiet", action="store_true", help="no summary and no progress bar")
+    refuse(p, MEGATRON_REFUSED)
     return p
 
 
-class _Progress:
-    """A minimal progress bar on stderr, only when stderr is a terminal."""
+def dataset_items(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                  *, required: bool = True) -> tuple[list[str], list[float] | None]:
+    """The dataset's items and blend weights from DATASET... or --data-path (not both)."""
+    from planner.sources.dataset import parse_data_path
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled and sys.stderr.isatty()
-        self.last = 0.0
-
-    def __call__(self, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if done < total and now - self.last < 0.1:
-            return
-        self.last = now
-        width = 40
-        fill = int(width * done / max(total, 1))
-        sys.stderr.write(f"\rplanning [{'#' * fill}{'.' * (width - fill)}] {done}/{total} steps")
-        if done >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+    if args.dataset and args.data_path:
+        parser.error("give the dataset as DATASET... or with --data-path, not both")
+    if args.data_path:
+        try:
+            return parse_data_path(args.data_path)
+        except ValueError as e:
+            parser.error(str(e))
+    if required and not args.dataset:
+        parser.error("the dataset is required: DATASET... or --data-path PATH...")
+    return list(args.dataset), None
 
 
-def _fmt_rate(n: int, seconds: float) -> str:
-    return f"{n / seconds:,.0f} sequences/s" if seconds > 0 else "inf sequences/s"
+def _default_output(item: str) -> Path:
+    from planner.sources.compressed import strip_compression
+
+    name = Path(strip_compression(item.rstrip("/")))
+    stem = name.stem if name.suffix else name.name
+    return Path("plans") / f"{stem or 'plan'}.arrow"
 
 
 def cmd_plan(argv: list[str]) -> int:
     parser = _plan_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
+    items, weights = dataset_items(parser, args)
     if args.eval:
         given = [flag for flag, value in (("--drop-last", args.drop_last or None),
-                                          ("--epochs", args.epochs), ("--seed", args.seed))
-                 if value is not None]
+                                          ("--epochs", args.epochs), ("--seed", args.seed),
+                                          ("--data-path weights", weights)) if value is not None]
         if given:
             parser.error(f"--eval plans one pass over the samples in file order, with the last "
                          f"partial batch kept: {', '.join(given)} cannot be used with it")
+    if weights is not None and args.global_batch_tokens:
+        parser.error("--data-path weights draw a number of samples per step: use "
+                     "--global-batch-size with them, not --global-batch-tokens")
     from planner.cost import load_cost_model
     from planner.plan import make_plan
     from planner.planfile.io import write_plan
+    from planner.progress import Progress
     from planner.sources.lengths import read_lengths
+    from planner.summary import format_summary, plan_summary
 
     t0 = time.perf_counter()
     parallel = ParallelConfig(dp=args.dp, cp=args.cp, tp=args.tp, pp=args.pp, vpp=args.vpp,
@@ -143,125 +264,109 @@ def cmd_plan(argv: list[str]) -> int:
                               microbatch_group_size=args.microbatch_group_size)
     config = PlannerConfig(
         parallel=parallel, capacity_tokens_per_rank=args.max_tokens_per_rank,
-        global_batch_size=args.global_batch_size, global_batch_tokens=args.global_batch_tokens,
+        global_batch_size=args.global_batch_size or 0,
+        global_batch_tokens=args.global_batch_tokens or 0,
         seed=0 if args.seed is None else args.seed,
         epochs=1 if args.epochs is None else args.epochs, layout=args.layout,
-        cp_sizes=args.cp_sizes, min_cp=args.min_cp, long_sequences=args.long_sequences,
-        drop_last=args.drop_last, pad_to_multiple=args.pad_to_multiple,
+        cp_sizes=args.cp_sizes, kind="eval" if args.eval else "train",
+        min_cp=args.min_cp, long_sequences=args.long_sequences, drop_last=args.drop_last,
+        pad_to_multiple=args.pad_to_multiple,
         effort=args.effort, cost_model=args.cost_model, workers=args.workers,
-        kind="eval" if args.eval else "train",
+        blend=tuple(weights or ()),
         solver=SolverConfig(microbatch_tolerance=args.microbatch_tolerance))
     cost = load_cost_model(args.cost_model)
-    out = Path(args.output) if args.output else Path("plans") / f"{Path(args.dataset).stem}.arrow"
-
-    table = read_lengths(args.dataset, skip_bad_records=args.skip_bad_records, field=args.field)
+    out = Path(args.output) if args.output else _default_output(items[0])
+    show = not (args.quiet or args.json)
+    with Progress("reading", unit="file", enabled=show and len(items) > 1) as bar:
+        table = read_lengths(items, skip_bad_records=args.skip_bad_records, field=args.field,
+                             progress=bar)
     t1 = time.perf_counter()
-    plan = make_plan(table, config, cost, progress=_Progress(not args.quiet))
+    with Progress("planning", unit="step", enabled=show) as bar:
+        plan = make_plan(table, config, cost, progress=bar)
     t2 = time.perf_counter()
     # write_plan validates (with the lengths: coverage to the last token) before anything reaches
     # the final path: a plan that breaks an invariant is a bug, and the user must never find a
     # half-right file under the name they asked for.
     write_plan(out, plan.header, plan.record_batches(), lengths=table.lengths)
     t3 = time.perf_counter()
-    if not args.quiet:
-        print(format_summary(plan.header, out, table.num_samples,
-                             {"read": t1 - t0, "plan": t2 - t1, "validate+write": t3 - t2}))
+    summary = plan_summary(plan.header, out,
+                           {"read": t1 - t0, "plan": t2 - t1, "validate+write": t3 - t2})
+    emit_summary(summary, format_summary(summary), as_json=args.json,
+                 json_path=args.summary_json, quiet=args.quiet)
     return 0
 
 
-def format_summary(header: PlanHeader, out: Path, num_samples: int,
-                   phases: dict[str, float]) -> str:
-    """The end-of-run summary: shape, padding, fill, simulated time against the bound, speed."""
-    s = header.stats
-    p = header.parallel
-    total = sum(phases.values())
-    ratio = s["simulated_seconds"] / max(s["lower_bound_seconds"], 1e-12)
-    lines = [
-        f"plan      {out}",
-        f"dataset   {header.dataset.path}: {header.dataset.num_samples:,} samples, "
-        f"{header.dataset.num_tokens:,} tokens ({header.dataset.format})",
-        f"pool      dp {p.dp} x cp {p.cp} = {p.pool_size} ranks (tp {p.tp}, pp {p.pp}, "
-        f"vpp {p.vpp}), cap {header.capacity_tokens_per_rank:,} tokens/rank, "
-        f"sizes {list(header.cp_sizes)}, {header.layout}",
-        f"steps     {s['num_steps']:,} ({_passes(header)}), microbatches per step "
-        f"{s['microbatches_per_step']['min']}-{s['microbatches_per_step']['max']} "
-        f"(mean {s['microbatches_per_step']['mean']:.2f})",
-        "groups    " + ", ".join(f"cp{k}: {v:,}" for k, v in sorted(
-            s["cp_size_groups"].items(), key=lambda kv: int(kv[0]))),
-        f"padding   {100 * s['padding_overhead']:.3f}% of real tokens "
-        f"(alignment {100 * s['alignment_padding']:.3f}%)",
-        f"slot fill {s['slot_fill']:.3f} (real tokens / (N x CAP x microbatches))",
-        f"time      {s['simulated_seconds']:.2f} s simulated vs lower bound "
-        f"{s['lower_bound_seconds']:.2f} s ({ratio:.3f}x) [{header.cost_model.get('name')}]",
-    ]
-    policy = [f"{len(s.get(key, []))} {key.split('_')[0]}" for key in
-              ("split_samples", "truncated_samples", "dropped_samples") if s.get(key)]
-    if s.get("skipped_bad_records"):
-        policy.append(f"{s['skipped_bad_records']} bad records skipped")
-    if policy:
-        lines.append("long/bad  " + ", ".join(policy))
-    detail = ", ".join(f"{k} {v:.2f} s" for k, v in phases.items())
-    lines.append(f"speed     {_fmt_rate(num_samples * len(header.epochs), total)} in "
-                 f"{total:.2f} s ({detail})")
-    return "\n".join(lines)
-
-
-def _passes(header: PlanHeader) -> str:
-    if header.kind == "eval":
-        return "eval: one pass in file order"
-    return f"{len(header.epochs)} epoch(s)"
-
-
 def cmd_validate(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="dcp-plan validate",
-                                description="Check every invariant of a plan file.")
+    p = argparse.ArgumentParser(prog=f"{PROG} validate", formatter_class=HelpFormatter,
+                                description="Check every invariant of a plan file; with its "
+                                "dataset, also coverage to the last token and the fingerprints.")
     p.add_argument("plan", help="plan file (.arrow)")
-    p.add_argument("dataset", nargs="?", help="dataset: also check coverage to the last token "
-                   "and the fingerprint")
-    p.add_argument("--skip-bad-records", action="store_true",
-                   help="read the dataset as the plan was made with --skip-bad-records")
-    p.add_argument("--field", help="record field, as given to dcp-plan")
-    args = p.parse_args(argv)
+    _add_dataset_arguments(p, required=False)
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    args = p.parse_intermixed_args(argv)
+    items, _ = dataset_items(p, args, required=False)
     from planner.planfile.io import PlanFile
     from planner.planfile.validate import validate
 
     with PlanFile(args.plan) as f:
         lengths = None
-        if args.dataset:
+        if items:
             from planner.sources.lengths import read_lengths
 
-            lengths = read_lengths(args.dataset, skip_bad_records=args.skip_bad_records,
+            lengths = read_lengths(items, skip_bad_records=args.skip_bad_records,
                                    field=args.field).lengths
         validate(f.header, f, lengths, source=args.plan)
-        what = "and dataset coverage " if lengths is not None else ""
-        print(f"{args.plan}: valid {f.header.kind} plan ({f.num_steps} steps, format "
-              f"{f.header.format_version}; "
-              f"invariants {what}checked)")
+        result = {"plan": args.plan, "valid": True, "kind": f.header.kind,
+                  "num_steps": f.num_steps,
+                  "format_version": f.header.format_version,
+                  "coverage_checked": lengths is not None}
+    what = "and dataset coverage " if lengths is not None else ""
+    emit_summary(result, f"{args.plan}: valid {result['kind']} plan ({result['num_steps']} "
+                 f"steps, format "
+                 f"{result['format_version']}; invariants {what}checked)",
+                 as_json=args.json, json_path="")
     return 0
 
 
 def cmd_show(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="dcp-plan show", description="Per-step table of a plan.")
+    p = argparse.ArgumentParser(prog=f"{PROG} show", formatter_class=HelpFormatter,
+                                description="Per-step table of a plan (or one step's rows).")
     p.add_argument("plan", help="plan file (.arrow)")
-    p.add_argument("--steps", default="", help="A:B range of steps (default: all, max 50 shown)")
-    p.add_argument("--step", type=int, help="print every row of this one step")
+    p.add_argument("--steps", type=_step_range, default=(0, None), metavar="A:B",
+                   help="steps A..B-1 (default: the first 50)")
+    p.add_argument("--step", type=nonnegative_int, metavar="I",
+                   help="print every row of this one step")
+    p.add_argument("--json", action="store_true", help="one JSON object per step (JSON lines)")
     args = p.parse_args(argv)
     from planner.notebook.view import read_plan, step_summary_row
 
     view = read_plan(args.plan)
     h = view.header
     if args.step is not None:
+        if args.step >= view.num_steps:
+            p.error(f"--step {args.step}: the plan has steps 0..{view.num_steps - 1}")
         t = view.step(args.step)
-        print(t.to_pandas().to_string(index=False) if _has_pandas() else t)
+        if args.json:
+            for row in t.to_pylist():
+                print(json.dumps(row, sort_keys=True))
+        else:
+            print(t.to_pandas().to_string(index=False) if _has_pandas() else t)
         return 0
-    a, _, b = args.steps.partition(":")
-    lo = int(a) if a else 0
-    hi = int(b) if b else min(view.num_steps, lo + 50)
+    lo, hi = args.steps
+    if hi is None:
+        hi = view.num_steps if args.json else min(view.num_steps, lo + 50)
+    hi = min(hi, view.num_steps)
+    if lo >= view.num_steps:
+        p.error(f"--steps: the plan has steps 0..{view.num_steps - 1}")
     cost = view.cost_model
     cols = ["step", "microbatches", "groups", "samples", "real_tokens", "slot_fill",
             "simulated_s", "lower_bound_s"] + [f"groups_cp{k}" for k in h.cp_sizes]
+    if args.json:
+        for i in range(lo, hi):
+            print(json.dumps(step_summary_row(h, cost, i, view.step_columns(i)), sort_keys=True))
+        return 0
     print("  ".join(f"{c:>12}" for c in cols))
-    for i in range(lo, min(hi, view.num_steps)):
+    for i in range(lo, hi):
         r = step_summary_row(h, cost, i, view.step_columns(i))
         print("  ".join(f"{r[c]:>12.4f}" if isinstance(r[c], float) else f"{r[c]:>12}"
                         for c in cols))
@@ -287,8 +392,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return cmd(argv)
     except (ValueError, OSError) as e:
-        print(f"dcp-plan: error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {flag_message(str(e), FLAGS)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

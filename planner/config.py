@@ -141,6 +141,10 @@ class PlannerConfig:
     pad_to_multiple: int = 1
     """Every segment's padded length is also a multiple of this (e.g. 16 for FP8 GEMMs); the
     padding counts in capacity. 1: only the sharding rule (groups.pad_multiple)."""
+    blend: tuple[float, ...] = ()
+    """Weights of the dataset's file groups (``DataFile.group``, Megatron's ``--data-path W P``):
+    every step draws ``blend_counts(blend, global_batch_size)`` samples from each group. Empty:
+    no blend, one permutation over all samples."""
     sizes: tuple[int, ...] = field(init=False)
     """Resolved group sizes (set from cp_sizes and min_cp)."""
 
@@ -177,6 +181,12 @@ class PlannerConfig:
                                  f"{self.seed}")
         if self.pad_to_multiple < 1:
             raise ValueError(f"pad to multiple must be >= 1, got {self.pad_to_multiple}")
+        if self.blend:
+            if self.global_batch_size <= 0:
+                raise ValueError("a blend draws samples per step: it needs global_batch_size, "
+                                 "not global_batch_tokens")
+            if not all(w > 0 for w in self.blend):
+                raise ValueError(f"blend weights must be positive, got {list(self.blend)}")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.effort not in EFFORTS:

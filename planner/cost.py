@@ -189,6 +189,16 @@ def _simulate(c: NDArray[np.float64], pool_size: int, mb: NDArray[np.int32],
     return finish.max(), busy
 
 
+def group_seconds(cost: CostModel, cp_size: NDArray[np.integer], s1: NDArray[np.floating],
+                  s2: NDArray[np.floating]) -> NDArray[np.float64]:
+    """Per-rank seconds of groups (vectorised ``CostModel.group_time``) from each group's sum
+    of padded lengths ``s1`` and of their squares ``s2``."""
+    a, b, cp_fixed, cp_token, micro = cost.as_array()
+    k = np.asarray(cp_size, dtype=np.float64)
+    ring = np.where(k > 1, (k - 1) * (cp_fixed + cp_token * s1 / k), 0.0)
+    return np.asarray((a * s1 + b * s2) / k + micro + ring, dtype=np.float64)
+
+
 def simulate_step(cost: CostModel, pool_size: int, microbatch: NDArray[np.integer],
                   rank_start: NDArray[np.integer], cp_size: NDArray[np.integer],
                   padded_tokens: NDArray[np.integer]) -> float:

@@ -42,9 +42,14 @@ from planner.planfile.schema import (
     step_batch,
 )
 from planner.planfile.stats import min_padded, plan_stats
-from planner.solver.batches import draw_global_batches, eval_global_batches
+from planner.solver.batches import (
+    draw_blended_batches,
+    draw_global_batches,
+    eval_global_batches,
+)
 from planner.solver.greedy import PackingParams
 from planner.solver.parallel import StepJobs, plan_steps
+from planner.sources.dataset import DataFile, blend_counts
 
 if TYPE_CHECKING:
     from planner.sources.lengths import LengthTable
@@ -143,6 +148,34 @@ def _segments(order: NDArray[np.int64], policy: LongPolicyResult) -> tuple[
     return sample, offset, tokens, count
 
 
+def dataset_files(table: LengthTable) -> tuple[DataFile, ...]:
+    """The table's files; a table built from arrays (no ``files``) is one file, its ``path``."""
+    if table.files:
+        return table.files
+    lengths = np.asarray(table.lengths, dtype=np.int64)
+    return (DataFile(path=str(table.path), format=str(table.format), num_samples=len(lengths),
+                     num_tokens=int(lengths.sum()), fingerprint=fingerprint_lengths(lengths)),)
+
+
+def _blend(files: tuple[DataFile, ...], config: PlannerConfig
+           ) -> tuple[NDArray[np.int64], list[int]] | None:
+    """(group sample bounds, samples per step of each group) of a blended config, else None."""
+    if not config.blend:
+        return None
+    num_groups = max(f.group for f in files) + 1
+    if len(config.blend) != num_groups:
+        raise ValueError(f"blend has {len(config.blend)} weights for {num_groups} dataset "
+                         "entries (one weight per entry)")
+    sizes = np.zeros(num_groups, dtype=np.int64)
+    for f in files:
+        sizes[f.group] += f.num_samples
+    groups = [f.group for f in files]
+    if groups != sorted(groups):
+        raise ValueError("blend groups must hold consecutive files")
+    return np.r_[0, np.cumsum(sizes)].astype(np.int64), blend_counts(
+        config.blend, config.global_batch_size)
+
+
 def make_plan(table: LengthTable, config: PlannerConfig, cost: CostModel, *,
               progress: Callable[[int, int], None] | None = None) -> Plan:
     """Plan every epoch of ``table`` under ``config``; each plan passes ``planfile.validate``.
@@ -167,11 +200,20 @@ def make_plan(table: LengthTable, config: PlannerConfig, cost: CostModel, *,
         cost = cost.forward_only()
     params = PackingParams.from_config(config, cost)
     eligible = policy.tokens > 0
+    files = dataset_files(table)
+    blend = _blend(files, config)
+    if blend is not None and config.kind == EVAL:
+        raise ValueError("an eval plan is one pass in file order: it takes no blend weights")
     if config.kind == EVAL:
         draws = [(eval_global_batches(policy.tokens, eligible,
                                       global_batch_size=config.global_batch_size,
                                       global_batch_tokens=config.global_batch_tokens),
                   np.zeros(0, dtype=np.int64))]
+    elif blend is not None:
+        bounds, counts = blend
+        blended = [draw_blended_batches(eligible, bounds, counts, seed=config.seed, epoch=e)
+                   for e in range(config.epochs)]
+        draws = [(b, np.zeros(0, np.int64)) for b, _ in blended]
     else:
         draws = [draw_global_batches(policy.tokens, eligible, seed=config.seed, epoch=e,
                                      global_batch_size=config.global_batch_size,
@@ -227,21 +269,27 @@ def make_plan(table: LengthTable, config: PlannerConfig, cost: CostModel, *,
         # Steps whose rows came from each candidate (solver/candidates.py), sorted by name.
         "candidate_steps": dict(sorted(sources.items())),
     })
-    if config.drop_last:
+    if config.drop_last and blend is None:
         stats["undrawn_samples"] = [np.sort(u).tolist() for _, u in draws]
+    global_batch: dict[str, Any] = {"size": config.global_batch_size,
+                                    "tokens": config.global_batch_tokens,
+                                    "drop_last": config.drop_last}
+    if blend is not None:
+        global_batch["blend"] = {"weights": list(config.blend), "samples_per_step": blend[1],
+                                 "drawn_per_epoch": [d for _, d in blended]}
     p = config.parallel
     header = PlanHeader(
         dataset=DatasetInfo(path=str(table.path), num_samples=len(lengths),
                             num_tokens=int(lengths[lengths > 0].sum()),
-                            fingerprint=fingerprint_lengths(lengths), format=str(table.format)),
+                            fingerprint=fingerprint_lengths(lengths), format=str(table.format),
+                            files=[f.to_dict() for f in files]),
         parallel=ParallelInfo(dp=p.dp, cp=p.cp, tp=p.tp, pp=p.pp, vpp=p.vpp,
                               sequence_parallel=p.sequence_parallel, pool_size=p.pool_size,
                               microbatch_group_size=p.group_size),
         capacity_tokens_per_rank=config.capacity_tokens_per_rank,
         cp_sizes=tuple(int(k) for k in config.sizes),
         layout=config.layout,
-        global_batch={"size": config.global_batch_size, "tokens": config.global_batch_tokens,
-                      "drop_last": config.drop_last},
+        global_batch=global_batch,
         seed=config.seed,
         cost_model=cost.to_header(),
         stats=stats,

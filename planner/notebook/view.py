@@ -9,18 +9,22 @@ installed) and plots (matplotlib, optional). Example::
     plan.header.stats["slot_fill"]
     plan.summary().to_pandas()            # one row per step
     plan.step(3).to_pandas()              # that step's rows
-    plan.plot_step_load(3); plan.plot_cp_mix()
+    plan.plot_step_load(3); plan.plot_cp_mix(); plan.plot_summary()
+    plan                                   # in Jupyter: a table of the plan's key figures
+
+``repr(plan)`` is one line of the key figures; ``_repr_html_`` the same as a table (Jupyter).
 """
 
 from __future__ import annotations
 
+import html
 import os
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from planner.cost import CostModel, simulate_step, step_lower_bound
+from planner.cost import CostModel, group_seconds, simulate_step, step_lower_bound
 from planner.planfile.io import PlanFile
 from planner.planfile.schema import COLUMN_NAMES, PlanHeader, column_numpy
 from planner.planfile.stats import min_num_microbatches
@@ -70,6 +74,20 @@ def step_summary_row(header: PlanHeader, cost: CostModel, step: int,
     row["time_over_tight_bound"] = row["simulated_s"] / tight if tight > 0 else 0.0
     for size in header.cp_sizes:
         row[f"groups_cp{size}"] = int((group_first & (k == size)).sum())
+    # Rank-time per CP size: a group of k ranks busy t seconds uses k t rank-seconds, which is
+    # what a group count hides (one group of 8 holds 8 ranks). Tokens: real tokens per size.
+    first = np.flatnonzero(group_first)
+    if len(first):
+        p = padded.astype(np.float64)
+        g_k = k[first]
+        t = group_seconds(cost, g_k, np.add.reduceat(p, first), np.add.reduceat(p * p, first))
+        g_tok = np.add.reduceat(ntok.astype(np.int64), first)
+    else:
+        g_k, t, g_tok = k, np.zeros(0), np.zeros(0, np.int64)
+    for size in header.cp_sizes:
+        sel = g_k == size
+        row[f"rank_seconds_cp{size}"] = float((t[sel] * size).sum())
+        row[f"tokens_cp{size}"] = int(g_tok[sel].sum())
     return row
 
 
@@ -86,6 +104,40 @@ class PlanView:
     @property
     def num_steps(self) -> int:
         return self._file.num_steps
+
+    def _figures(self) -> dict[str, str]:
+        h, s, p, d = self.header, self.header.stats, self.header.parallel, self.header.dataset
+        files = len(d.files) or 1
+        ratio = s["simulated_seconds"] / max(s["lower_bound_seconds"], 1e-12)
+        mb = s["microbatches_per_step"]
+        return {
+            "plan": str(self.path),
+            "dataset": f"{d.path} ({d.num_samples:,} samples, {d.num_tokens:,} tokens"
+                       + (f", {files} files)" if files > 1 else ")"),
+            "pool": f"dp {p.dp} x cp {p.cp} = {p.pool_size} ranks (tp {p.tp}, pp {p.pp}, "
+                    f"vpp {p.vpp})",
+            "capacity": f"{h.capacity_tokens_per_rank:,} tokens/rank, sizes {list(h.cp_sizes)}, "
+                        f"{h.layout}",
+            "steps": f"{self.num_steps:,} ({len(h.epochs)} epoch(s)), microbatches "
+                     f"{mb['min']}-{mb['max']} (mean {mb['mean']:.2f})",
+            "groups": ", ".join(f"cp{k}: {v:,}" for k, v in sorted(
+                s["cp_size_groups"].items(), key=lambda kv: int(kv[0]))),
+            "slot fill": f"{s['slot_fill']:.3f}",
+            "time": f"{s['simulated_seconds']:.3f} s simulated, {ratio:.3f}x the lower bound "
+                    f"[{h.cost_model.get('name')}]",
+            "format": str(h.format_version),
+        }
+
+    def __repr__(self) -> str:
+        f = self._figures()
+        return (f"<PlanView {f['plan']}: {f['steps']}; pool {f['pool']}; cap {f['capacity']}; "
+                f"time {f['time']}>")
+
+    def _repr_html_(self) -> str:
+        rows = "".join(f"<tr><th style='text-align:left'>{html.escape(k)}</th>"
+                       f"<td style='text-align:left'>{html.escape(v)}</td></tr>"
+                       for k, v in self._figures().items())
+        return f"<table><caption>dcp plan</caption>{rows}</table>"
 
     def __len__(self) -> int:
         return self.num_steps
@@ -133,16 +185,25 @@ class PlanView:
         return pl.from_arrow(self.table)
 
     def plot_step_load(self, i: int, ax: Any = None) -> Any:
-        """Bar chart of one step's per-rank simulated busy time, stacked by microbatch."""
+        """One step's schedule: a bar per CP group over its ranks, coloured by microbatch, with
+        the simulated step time and the step's lower bound as lines."""
         from planner.notebook.plot import plot_step_load
 
-        return plot_step_load(self.header, self.cost_model, i, self.step_columns(i), ax=ax)
+        cols = self.step_columns(i)
+        bound = step_summary_row(self.header, self.cost_model, i, cols)["lower_bound_s"]
+        return plot_step_load(self.header, self.cost_model, i, cols, ax=ax, lower_bound=bound)
 
-    def plot_cp_mix(self, ax: Any = None) -> Any:
-        """Stacked bars of the number of groups of each CP size per step."""
+    def plot_cp_mix(self, ax: Any = None, *, by: str = "rank_time") -> Any:
+        """Share of each step's rank-time (or ``by="tokens"``) per CP size; binned past 120."""
         from planner.notebook.plot import plot_cp_mix
 
-        return plot_cp_mix(self.header, self.summary(), ax=ax)
+        return plot_cp_mix(self.header, self.summary(), ax=ax, by=by)
+
+    def plot_summary(self) -> Any:
+        """One figure: time over bound, CP share of rank-time, microbatches, per step."""
+        from planner.notebook.plot import plot_summary
+
+        return plot_summary(self.header, self.summary())
 
     def close(self) -> None:
         self._file.close()

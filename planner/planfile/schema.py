@@ -20,7 +20,8 @@ from numpy.typing import NDArray
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
-"""Format versions this reader accepts (the version-1 plans in plans/golden must keep reading)."""
+"""Format versions this reader accepts (the version-1 plans in plans/golden must keep reading).
+Version 2 adds the header's ``kind``, ``dataset.files`` and ``global_batch.blend``."""
 TRAIN = "train"
 EVAL = "eval"
 PLAN_KINDS = (TRAIN, EVAL)
@@ -53,6 +54,9 @@ class DatasetInfo:
     num_tokens: int
     fingerprint: str
     format: str = ""
+    files: list[dict[str, Any]] = field(default_factory=list)
+    """Format 2: every file in sample order (path, format, num_samples, num_tokens, fingerprint,
+    group); empty in version 1 plans (one file, ``path``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -156,7 +156,14 @@ def _check_coverage(
     stats = header.stats
     dropped = np.asarray(stats.get("dropped_samples", []), dtype=np.int64)
     truncated = dict((int(a), int(b)) for a, b in stats.get("truncated_samples", []))
-    should = np.ones(num_samples, dtype=bool)
+    blend = header.global_batch.get("blend")
+    if blend:
+        # A blend's epoch ends when its first group runs out: the others' remaining samples are
+        # undrawn by design, so the check is the count per group, not "every sample placed".
+        _check_blend_epoch(header, blend, placed, epoch, err)
+        should = placed.copy()
+    else:
+        should = np.ones(num_samples, dtype=bool)
     if header.global_batch.get("drop_last") and "undrawn_samples" in stats:
         should[np.asarray(stats["undrawn_samples"][epoch], dtype=np.int64)] = False
     should[dropped] = False
@@ -196,6 +203,68 @@ def _check_eval_step(i: int, sample: NDArray[Any], last_max: int, header: PlanHe
         err.add(f"step {i}: eval step holds {real.size} samples, the global batch size is {size}"
                 " (only the last step may hold fewer)")
     return max(last_max, int(real[-1]))
+def group_bounds(header: PlanHeader) -> NDArray[np.int64]:
+    """Sample index bounds of the blend groups of a format-2 header (one group without files)."""
+    files = header.dataset.files
+    if not files:
+        return np.array([0, header.dataset.num_samples], dtype=np.int64)
+    num_groups = max(int(f["group"]) for f in files) + 1
+    sizes = np.zeros(num_groups, dtype=np.int64)
+    for f in files:
+        sizes[int(f["group"])] += int(f["num_samples"])
+    bounds: NDArray[np.int64] = np.r_[0, np.cumsum(sizes)].astype(np.int64)
+    return bounds
+
+
+def _check_blend_epoch(header: PlanHeader, blend: dict[str, Any], placed: NDArray[np.bool_],
+                       epoch: int, err: _Errors) -> None:
+    """Each group gave exactly ``drawn_per_epoch[epoch][g]`` distinct samples this epoch."""
+    bounds = group_bounds(header)
+    drawn = blend.get("drawn_per_epoch", [])
+    if epoch >= len(drawn) or len(drawn[epoch]) != len(bounds) - 1:
+        err.add(f"header: blend drawn_per_epoch does not list epoch {epoch}'s "
+                f"{len(bounds) - 1} groups")
+        return
+    for g in range(len(bounds) - 1):
+        got = int(placed[bounds[g]:bounds[g + 1]].sum())
+        if got != int(drawn[epoch][g]):
+            err.add(f"epoch {epoch}: blend group {g} placed {got} samples, the header says "
+                    f"{int(drawn[epoch][g])}")
+
+
+def _check_blend_step(i: int, sample: NDArray[Any], header: PlanHeader, err: _Errors) -> None:
+    """A blended step draws ``samples_per_step[g]`` distinct samples from every group g."""
+    blend = header.global_batch["blend"]
+    bounds = group_bounds(header)
+    want = [int(c) for c in blend.get("samples_per_step", [])]
+    uniq = np.unique(sample[sample >= 0])
+    got = np.diff(np.searchsorted(uniq, bounds)).tolist()
+    if got != want:
+        err.add(f"step {i}: draws {got} samples from the blend groups, the header's "
+                f"samples_per_step is {want}")
+
+
+def _check_files(header: PlanHeader, lengths: NDArray[np.integer] | None, err: _Errors) -> None:
+    """Format 2: the files add up to the dataset, and each one still has its fingerprint."""
+    files = header.dataset.files
+    if not files:
+        return
+    total = sum(int(f["num_samples"]) for f in files)
+    if total != header.dataset.num_samples:
+        err.add(f"header: dataset files hold {total} samples, the dataset "
+                f"{header.dataset.num_samples}")
+        return
+    if lengths is None or len(lengths) != total:
+        return
+    start = 0
+    for f in files:
+        n = int(f["num_samples"])
+        fp = fingerprint_lengths(np.asarray(lengths[start:start + n]))
+        if fp != f["fingerprint"]:
+            err.add(f"dataset file {f['path']} (samples {start}..{start + n - 1}) does not match "
+                    "the plan's fingerprint of it: it changed since planning, or the files are "
+                    "in another order")
+        start += n
 
 
 def _check_header(header: PlanHeader, err: _Errors) -> None:
@@ -270,6 +339,7 @@ def validate(
     """
     err = _Errors()
     _check_header(header, err)
+    _check_files(header, lengths, err)
     if lengths is not None:
         fp = fingerprint_lengths(lengths)
         if fp != header.dataset.fingerprint:
@@ -288,6 +358,8 @@ def validate(
             _check_step(i, cols, header, err)
             if header.kind == EVAL:
                 last_max = _check_eval_step(i, cols["sample_index"], last_max, header, err)
+            if header.global_batch.get("blend"):
+                _check_blend_step(i, cols["sample_index"], header, err)
             segs.append((cols["sample_index"], cols["token_offset"], cols["num_tokens"]))
         _check_coverage(header, segs, lengths, e, err)
         err.raise_if_any(source)

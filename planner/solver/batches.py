@@ -159,3 +159,40 @@ def _cut(lengths: NDArray[np.int64], order: NDArray[np.int64], global_batch_size
     starts = np.r_[0, ends[:-1]] if len(ends) else ends
     batches = [order[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
     return batches, undrawn
+
+
+def draw_blended_batches(
+    eligible: NDArray[np.bool_],
+    group_bounds: NDArray[np.int64],
+    counts: list[int],
+    *,
+    seed: int,
+    epoch: int,
+) -> tuple[list[NDArray[np.int64]], list[int]]:
+    """One epoch of a blend: every batch takes ``counts[g]`` samples of group ``g``.
+
+    Group g holds samples ``group_bounds[g]:group_bounds[g + 1]`` and has its own permutation
+    per epoch (keyed by seed, epoch and g). The epoch holds as many full batches as every group
+    can fill: the group that runs out first ends it, and the others' remaining samples are not
+    drawn this epoch (a fresh permutation next epoch draws others). Within a batch the samples
+    are group 0's, then group 1's, ...; the planner may reorder within a step anyway.
+
+    Returns:
+        (batches, drawn): the batches' sample indices, and how many samples each group gave.
+    """
+    orders = []
+    for g, count in enumerate(counts):
+        a, b = int(group_bounds[g]), int(group_bounds[g + 1])
+        # A group's key mixes g into the seed, so groups of equal size are not permuted alike.
+        perm = a + epoch_permutation(b - a, (seed * 0x9E3779B1 + g + 1) & _MASK64, epoch)
+        orders.append(perm[eligible[perm]])
+        if count <= 0:
+            raise ValueError(f"blend group {g} gives {count} samples per step")
+    num = min(len(o) // c for o, c in zip(orders, counts, strict=True))
+    if num == 0:
+        g = min(range(len(counts)), key=lambda i: len(orders[i]) // counts[i])
+        raise ValueError(f"blend entry {g} has {len(orders[g])} usable samples, fewer than the "
+                         f"{counts[g]} every step draws from it")
+    batches = [np.concatenate([o[s * c:(s + 1) * c] for o, c in zip(orders, counts, strict=True)])
+               for s in range(num)]
+    return batches, [num * c for c in counts]

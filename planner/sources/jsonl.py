@@ -23,7 +23,9 @@ import os
 import numpy as np
 from numpy.typing import NDArray
 
+from planner.sources.compressed import compression_of, iter_decompressed_lines
 from planner.sources.formats import (
+    CHUNK_BYTES,
     DEFAULT_FIELDS,
     INT_FIELDS,
     LIST_FIELDS,
@@ -78,8 +80,19 @@ def _record_length(raw: bytes, fields: tuple[str, ...]) -> int | str:
         if value is not None:
             return _value_length(name, value)
     if len(fields) == 1:
-        return f"no {fields[0]!r} field (or it is null)"
-    return "no usable field (one of " + ", ".join(repr(f) for f in fields) + ")"
+        return f"no {fields[0]!r} field (or it is null)" + _text_hint(obj)
+    return "no usable field (one of " + ", ".join(repr(f) for f in fields) + ")" + _text_hint(obj)
+
+
+def _text_hint(obj: dict[str, object]) -> str:
+    """What to do when a record holds text but no tokens (a corpus not yet tokenized)."""
+    text = [k for k, v in obj.items() if isinstance(v, str)]
+    if not text:
+        return ""
+    return (f"; the record holds text ({', '.join(repr(k) for k in text[:3])}), not token ids: "
+            "tokenize the corpus first (e.g. Megatron-LM's tools/preprocess_data.py, which writes "
+            "a .bin/.idx dataset dcp-plan reads, or add an 'input_ids' list per record), or name "
+            "an integer length field with --field")
 
 
 def read_jsonl(path: str, field: str | None, bad: BadRecords) -> tuple[
@@ -89,7 +102,9 @@ def read_jsonl(path: str, field: str | None, bad: BadRecords) -> tuple[
     names, bounds, kinds = encode_fields(fields, LIST_FIELDS, INT_FIELDS)
     offsets, sizes, lengths = [], [], []
     lines_before = samples_before = 0
-    for base, chunk in iter_line_chunks(path):
+    chunks = (iter_decompressed_lines(path, CHUNK_BYTES) if compression_of(path)
+              else iter_line_chunks(path))
+    for base, chunk in chunks:
         a = np.frombuffer(chunk, dtype=np.uint8)
         ends = np.flatnonzero(a == ord("\n"))
         start = np.empty_like(ends)

@@ -1,14 +1,17 @@
 """Dataset -> LengthTable: the token count of every sample, in file order, without reading tokens.
 
 The sample index is the 0-based record number in file order; it is what a plan's
-``sample_index`` means and what the runtime seeks to. Formats, chosen by extension:
+``sample_index`` means and what the runtime seeks to. A dataset of several files (paths,
+directories, globs: ``planner.sources.dataset`` documents the order) numbers its samples through the
+files in that order. Formats, chosen by extension:
 
-- ``.jsonl``/``.json``: JSON Lines (``planner.sources.jsonl``); blank lines are not records.
+- ``.jsonl``/``.json``: JSON Lines (``planner.sources.jsonl``); blank lines are not records. Also
+  compressed, ``.jsonl.gz`` / ``.jsonl.zst`` (streamed, ``planner.sources.compressed``).
 - ``.parquet``, ``.arrow``/``.feather``/``.ipc`` (Arrow IPC file or stream): a token-list column
   (``input_ids``/``tokens``) or an integer column (``length``/``num_tokens``).
 - ``.idx``/``.bin``, or a prefix ``p`` with ``p.idx`` present: a Megatron indexed dataset, read from
   the ``.idx`` alone (``planner.sources.formats``).
-- ``.txt``: one integer length per line; blank lines are not records.
+- ``.txt``: one integer length per line; blank lines are not records (also ``.txt.gz``/``.zst``).
 
 A bad record (unparsable, no usable field, a non-integer token, a length <= 0) raises ValueError
 naming the file, the line (or row) and the problem. With ``skip_bad_records`` it keeps its sample
@@ -24,13 +27,23 @@ from __future__ import annotations
 import os
 import re
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from numpy.typing import NDArray
 
+from planner.planfile.schema import fingerprint_lengths
+from planner.sources.compressed import (
+    COMPRESSIONS,
+    compression_of,
+    iter_decompressed_lines,
+    strip_compression,
+)
+from planner.sources.dataset import DataFile, expand_paths
 from planner.sources.formats import (
+    CHUNK_BYTES,
     MAX_LENGTH,
     BadRecords,
     iter_line_chunks,
@@ -43,6 +56,7 @@ from planner.sources.formats import (
 from planner.sources.jsonl import jsonl_index, read_jsonl
 
 __all__ = [
+    "DATASET_SUFFIXES",
     "FORMATS",
     "LengthTable",
     "jsonl_index",
@@ -51,10 +65,14 @@ __all__ = [
     "write_megatron_dataset",
 ]
 
-FORMATS = ("jsonl", "parquet", "arrow", "megatron", "text")
+FORMATS = ("jsonl", "parquet", "arrow", "megatron", "text", "mixed")
 _SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".arrow": "arrow",
              ".feather": "arrow", ".ipc": "arrow", ".idx": "megatron", ".bin": "megatron",
              ".txt": "text"}
+_COMPRESSIBLE = ("jsonl", "text")
+DATASET_SUFFIXES = tuple(_SUFFIXES) + tuple(
+    s + c for s, f in _SUFFIXES.items() if f in _COMPRESSIBLE for c in COMPRESSIONS)
+"""File names a directory's dataset files end with (lower case)."""
 _MULTI_FIELD = re.compile(rb"\S[ \t\r\x0b\x0c]+\S")
 _MAX_DIGITS = 18  # 10**18 - 1 < 2**63: a strictly parsed line never overflows int64
 
@@ -71,6 +89,8 @@ class LengthTable:
     """Tokens of each sample, one entry per sample in file order; 0 for a skipped bad record."""
     skipped: NDArray[np.int64]
     """Sorted sample indices of the bad records skipped with skip_bad_records."""
+    files: tuple[DataFile, ...] = field(default=())
+    """The dataset's files in sample order (read_lengths fills it; empty: one file, ``path``)."""
 
     def __post_init__(self) -> None:
         # A public constructor (notebooks, benchmarks build tables from arrays): bad input is a
@@ -149,7 +169,9 @@ def _text_lines(path: str, chunk: bytes, line0: int, sample0: int,
 def _read_text(path: str, bad: BadRecords) -> NDArray[np.int64]:
     parts = [np.zeros(0, dtype=np.int64)]
     line0 = sample0 = 0
-    for _, chunk in iter_line_chunks(path):
+    chunks = (iter_decompressed_lines(path, CHUNK_BYTES) if compression_of(path)
+              else iter_line_chunks(path))
+    for _, chunk in chunks:
         a = np.frombuffer(chunk, dtype=np.uint8)
         ends = np.flatnonzero(a == ord("\n"))
         values = _strict_digits(a, ends)
@@ -167,9 +189,17 @@ def _read_text(path: str, bad: BadRecords) -> NDArray[np.int64]:
 
 
 def detect_format(path: str) -> tuple[str, str]:
-    """(format, path to open) for ``path``; a Megatron dataset opens by its prefix."""
-    suffix = Path(path).suffix.lower()
+    """(format, path to open) for ``path``; a Megatron dataset opens by its prefix.
+
+    A compression suffix (``.gz``, ``.zst``) is looked through: ``a.jsonl.zst`` is JSONL.
+    """
+    suffix = Path(strip_compression(path)).suffix.lower()
     fmt = _SUFFIXES.get(suffix)
+    if compression_of(path) and fmt not in _COMPRESSIBLE:
+        if not os.path.exists(path):
+            raise ValueError(f"{path}: no such file")
+        raise ValueError(f"{path}: compressed {fmt or 'files of this kind'} cannot be read; "
+                         "only JSONL and .txt may be compressed (.gz, .zst)")
     if fmt == "megatron":
         return fmt, path[: -len(suffix)]
     if fmt is None and os.path.isfile(f"{path}.idx"):
@@ -182,27 +212,9 @@ def detect_format(path: str) -> tuple[str, str]:
     return fmt, path
 
 
-def read_lengths(path: str | os.PathLike[str], *, skip_bad_records: bool = False,
-                 field: str | None = None) -> LengthTable:
-    """Read the token count of every sample of a dataset, in file order.
-
-    Args:
-        path: a JSONL, Parquet, Arrow IPC, .txt file, or a Megatron ``.idx``/``.bin``/prefix.
-        skip_bad_records: give bad records length 0 and list them in ``skipped`` instead of
-            raising.
-        field: the field or column holding token lists or lengths; default: the first non-null
-            of ``input_ids``, ``tokens``, ``length``, ``num_tokens``. Ignored, with a warning, by
-            formats without fields (Megatron, .txt).
-
-    Raises:
-        ValueError: an unknown format, a missing or empty file, a bad record (naming file, line
-            or row, and the problem) without ``skip_bad_records``, or only bad records.
-    """
-    given = os.fspath(path)
+def _read_file(given: str, bad: BadRecords, field: str | None) -> tuple[str, NDArray[np.int64]]:
+    """(format, lengths) of one file; bad records go to ``bad`` with file-local indices."""
     fmt, source = detect_format(given)
-    if field is not None and fmt in ("megatron", "text"):
-        warnings.warn(f"field={field!r} is ignored for {fmt} datasets", stacklevel=2)
-    bad = BadRecords(skip=skip_bad_records)
     if fmt == "jsonl":
         lengths = read_jsonl(source, field, bad)[2]
     elif fmt == "parquet":
@@ -213,9 +225,60 @@ def read_lengths(path: str | os.PathLike[str], *, skip_bad_records: bool = False
         lengths = read_megatron(source, bad)
     else:
         lengths = _read_text(source, bad)
-    skipped = bad.indices()
     if len(lengths) == 0:
-        raise ValueError(f"{given}: no samples (the dataset is empty)")
-    if len(skipped) == len(lengths):
-        raise ValueError(f"{given}: all {len(lengths)} samples are bad records")
-    return LengthTable(path=given, format=fmt, lengths=lengths, skipped=skipped)
+        raise ValueError(f"{given}: no samples (the file is empty)")
+    return fmt, lengths
+
+
+def read_lengths(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
+                 skip_bad_records: bool = False, field: str | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> LengthTable:
+    """Read the token count of every sample of a dataset, in file order.
+
+    Args:
+        path: a JSONL (also .gz/.zst), Parquet, Arrow IPC, .txt file, a Megatron
+            ``.idx``/``.bin``/prefix, a directory or a glob of such files, or a list of these
+            (one dataset; ``planner.sources.dataset`` gives the order).
+        skip_bad_records: give bad records length 0 and list them in ``skipped`` instead of
+            raising.
+        field: the field or column holding token lists or lengths; default: the first non-null
+            of ``input_ids``, ``tokens``, ``length``, ``num_tokens``. Ignored, with a warning, by
+            formats without fields (Megatron, .txt).
+        progress: called as ``progress(files_done, files_total)`` after each file.
+
+    Raises:
+        ValueError: an unknown format, a missing or empty file, a bad record (naming file, line
+            or row, and the problem) without ``skip_bad_records``, or only bad records.
+    """
+    items = [os.fspath(path)] if isinstance(path, (str, os.PathLike)) else [
+        os.fspath(p) for p in path]
+    if not items:
+        raise ValueError("no dataset given")
+    files = expand_paths(items, DATASET_SUFFIXES)
+    parts: list[NDArray[np.int64]] = []
+    skipped: list[NDArray[np.int64]] = []
+    infos: list[DataFile] = []
+    start = 0
+    warned = False
+    for j, (name, group) in enumerate(files):
+        bad = BadRecords(skip=skip_bad_records)
+        fmt, lengths = _read_file(name, bad, field)
+        if field is not None and fmt in ("megatron", "text") and not warned:
+            warnings.warn(f"field={field!r} is ignored for {fmt} datasets", stacklevel=2)
+            warned = True
+        parts.append(lengths)
+        skipped.append(bad.indices() + start)
+        infos.append(DataFile(path=name, format=fmt, num_samples=len(lengths),
+                              num_tokens=int(lengths.sum()),
+                              fingerprint=fingerprint_lengths(lengths), group=group))
+        start += len(lengths)
+        if progress is not None:
+            progress(j + 1, len(files))
+    all_lengths = np.concatenate(parts)
+    all_skipped = np.concatenate(skipped)
+    given = items[0] if len(items) == 1 else " ".join(items)
+    if len(all_skipped) == len(all_lengths):
+        raise ValueError(f"{given}: all {len(all_lengths)} samples are bad records")
+    formats = {f.format for f in infos}
+    return LengthTable(path=given, format=formats.pop() if len(formats) == 1 else "mixed",
+                       lengths=all_lengths, skipped=all_skipped, files=tuple(infos))

@@ -55,19 +55,47 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from planner.cliargs import (
+    HelpFormatter,
+    add_json_arguments,
+    add_version,
+    emit_summary,
+    flag_message,
+    int_at_least,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+)
 from runtime.calibrate.fit import format_table
 from runtime.calibrate.run import CalibrateConfig, calibrate, to_json, write_json
 from runtime.calibrate.timing import DTYPES
 from runtime.train.backends import ATTENTIONS
-from runtime.train.model import GPTConfig, add_model_arguments, model_config_from_args
+from runtime.train.model import (
+    MODEL_FLAGS,
+    GPTConfig,
+    add_model_arguments,
+    model_config_from_args,
+)
+
+CALIBRATE_FLAGS = {**MODEL_FLAGS, "max_tokens": "--max-tokens", "min_length": "--min-length",
+                   "max_length": "--max-length", "memory_fraction": "--memory-fraction",
+                   "cp_sizes": "--cp-sizes"}
+"""Config fields -> flags, for error messages."""
 
 # --------------------------------------------------------------------------------------------
 # Entry point: torchrun, a world of one, or --nproc N spawned here.
 
 
-def parse_args(argv: Sequence[str] | None = None) -> tuple[CalibrateConfig, GPTConfig, int]:
-    """Parse ``dcp-calibrate``'s flags into (CalibrateConfig, GPTConfig, nproc)."""
-    p = argparse.ArgumentParser(prog="dcp-calibrate", description=__doc__.split("\n\n")[0])
+Report = tuple[bool, str]
+"""(--json, --summary-json FILE): how rank 0 reports the fit."""
+
+
+def parse_args(argv: Sequence[str] | None = None
+               ) -> tuple[CalibrateConfig, GPTConfig, int, Report]:
+    """Parse ``dcp-calibrate``'s flags into (CalibrateConfig, GPTConfig, nproc, report)."""
+    p = argparse.ArgumentParser(prog="dcp-calibrate", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    add_version(p)
     p.add_argument("--output", "-o", required=True, help="cost-model JSON file to write")
     p.add_argument("--name", default="", help="cost-model name (default: the output's stem)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to measure")
@@ -75,20 +103,22 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[CalibrateConfig, GPTC
                    help="te (torch if TE is not usable), torch, or reference")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16",
                    help="bf16 autocast with fp32 master weights, or fp32")
-    p.add_argument("--nproc", type=int, default=1,
+    p.add_argument("--nproc", type=positive_int, default=1,
                    help="spawn this many processes (one per GPU) unless run under torchrun")
-    p.add_argument("--cp-sizes", type=int, nargs="*", default=[],
+    p.add_argument("--cp-sizes", type=int_at_least(2), nargs="*", default=[],
                    help="CP group sizes > 1 to measure (default: every valid size)")
-    p.add_argument("--max-tokens", type=int, default=65536,
+    p.add_argument("--max-tokens", type=positive_int, default=65536,
                    help="largest CP=1 buffer (GPU: lowered to what memory holds)")
-    p.add_argument("--min-length", type=int, default=512, help="shortest document length")
-    p.add_argument("--max-length", type=int, default=32768, help="longest document length")
-    p.add_argument("--memory-fraction", type=float, default=0.7,
+    p.add_argument("--min-length", type=positive_int, default=512, help="shortest document length")
+    p.add_argument("--max-length", type=positive_int, default=32768, help="longest document length")
+    p.add_argument("--memory-fraction", type=positive_float, default=0.7,
                    help="GPU memory share the largest buffer may use")
-    p.add_argument("--warmup", type=int, default=3, help="untimed runs per configuration")
-    p.add_argument("--repeats", type=int, default=7, help="timed runs per configuration")
+    p.add_argument("--warmup", type=nonnegative_int, default=3,
+                   help="untimed runs per configuration")
+    p.add_argument("--repeats", type=positive_int, default=7, help="timed runs per configuration")
     p.add_argument("--quick", action="store_true", help="small grid, 1 warm-up, 3 repeats")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and tokens")
+    add_json_arguments(p)
     add_model_arguments(p)
     a = p.parse_args(argv)
     try:
@@ -104,12 +134,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[CalibrateConfig, GPTC
         if a.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: CUDA is not available")
     except ValueError as e:
-        p.error(str(e))
-    return cfg, model_config, a.nproc
+        p.error(flag_message(str(e), CALIBRATE_FLAGS))
+    return cfg, model_config, a.nproc, (a.json, a.summary_json)
 
 
 def _process(cfg: CalibrateConfig, model_config: GPTConfig, rank: int, world_size: int,
-             store_path: str | None) -> None:
+             store_path: str | None, report: Report = (False, "")) -> None:
     """One rank: join the world, measure; rank 0 writes the file and prints the table last.
 
     The world comes from torchrun (env://), from ``--nproc``'s FileStore at ``store_path``, or
@@ -132,21 +162,25 @@ def _process(cfg: CalibrateConfig, model_config: GPTConfig, rank: int, world_siz
         if dist.get_rank() == 0:
             write_json(cfg.output, to_json(result))
             params = result.fit.model.parameters
-            print("\n" + format_table(result.fit))
-            print("parameters: " + ", ".join(f"{k} {v:.4g}" for k, v in params.items()))
-            print(f"wrote {cfg.output}", flush=True)
+            text = ("\n" + format_table(result.fit) + "\nparameters: "
+                    + ", ".join(f"{k} {v:.4g}" for k, v in params.items())
+                    + f"\nwrote {cfg.output}")
+            summary = {"output": cfg.output, "name": result.fit.model.name,
+                       "parameters": params, "num_samples": len(result.fit.samples),
+                       "ring_measured": result.fit.ring_measured, **result.fit.summary()}
+            emit_summary(summary, text, as_json=report[0], json_path=report[1])
     finally:
         dist.destroy_process_group()
 
 
 def _spawned(rank: int, cfg: CalibrateConfig, model_config: GPTConfig, world_size: int,
-             store_path: str) -> None:
-    _process(cfg, model_config, rank, world_size, store_path)
+             store_path: str, report: Report) -> None:
+    _process(cfg, model_config, rank, world_size, store_path, report)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``dcp-calibrate``; returns the process exit status."""
-    cfg, model_config, nproc = parse_args(argv)
+    cfg, model_config, nproc, report = parse_args(argv)
     try:
         if nproc > 1 and "WORLD_SIZE" not in os.environ:
             from torch.multiprocessing.spawn import start_processes
@@ -154,13 +188,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             with tempfile.TemporaryDirectory(prefix="dcp-calibrate-") as tmp:
                 # A FileStore needs no port; children inherit the environment unchanged.
                 start_processes(_spawned, args=(cfg, model_config, nproc,  # type: ignore[no-untyped-call]
-                                                os.path.join(tmp, "store")),
+                                                os.path.join(tmp, "store"), report),
                                 nprocs=nproc, start_method="spawn")
         else:
             _process(cfg, model_config, int(os.environ.get("RANK", "0")),
-                     int(os.environ.get("WORLD_SIZE", "1")), None)
-    except ValueError as e:
-        print(f"dcp-calibrate: error: {e}", file=sys.stderr)
+                     int(os.environ.get("WORLD_SIZE", "1")), None, report)
+    except (ValueError, OSError) as e:
+        print(f"dcp-calibrate: error: {flag_message(str(e), CALIBRATE_FLAGS)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("dcp-calibrate: interrupted", file=sys.stderr)
+        return 130
     return 0
 

@@ -21,8 +21,9 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import NDArray
 
+from planner.sources.compressed import compression_of, iter_decompressed
 from planner.sources.lengths import jsonl_index
-from runtime.data.token_files import TOKEN_FIELDS, check_read
+from runtime.data.token_files import TOKEN_FIELDS, ArrayTokens, check_read
 
 INDEX_SUFFIX = ".dcpidx"
 INDEX_VERSION = 1
@@ -133,3 +134,51 @@ class JsonlTokens:
 
     def close(self) -> None:
         self._file.close()
+
+
+def decode_compressed_jsonl(path: str | os.PathLike[str], *, field: str | None = None,
+                            skip_bad_records: bool = False) -> ArrayTokens:
+    """Every record's tokens of a ``.jsonl.gz``/``.jsonl.zst`` file, decoded once into memory.
+
+    A compressed stream cannot be seeked into, so the whole file is decompressed twice: once by
+    ``planner.sources.jsonl`` for the index (the planner's definition of a record), then to cut
+    the records out at those offsets. Memory: the file's tokens as int32 or int64. For
+    corpora larger than memory, convert to Megatron .bin/.idx or Arrow first.
+    """
+    path = os.fspath(path)
+    offsets, nbytes, counts = jsonl_index(path, skip_bad_records=skip_bad_records, field=field)
+    values: list[NDArray[np.int64]] = []
+    buf = bytearray()
+    base = 0  # decompressed offset of buf[0]
+    r = 0
+    for block in iter_decompressed(path):
+        buf += block
+        while r < len(offsets) and offsets[r] + nbytes[r] <= base + len(buf):
+            a = int(offsets[r]) - base
+            line = bytes(buf[a:a + int(nbytes[r])])
+            if counts[r] > 0:  # a skipped bad record holds no tokens (length 0)
+                try:
+                    toks = _record_tokens(line, field)
+                except ValueError as e:
+                    raise ValueError(f"{path}: record of sample {r} does not decode: {e}"
+                                     ) from None
+                values.append(np.asarray(toks, dtype=np.int64))
+            else:
+                values.append(np.zeros(0, np.int64))
+            r += 1
+        # Keep only the bytes of records not yet cut out.
+        keep = int(offsets[r]) - base if r < len(offsets) else len(buf)
+        del buf[:keep]
+        base += keep
+    if r != len(offsets):
+        raise ValueError(f"{path}: the stream ended before record {r}")
+    lens = np.array([len(v) for v in values], dtype=np.int64)
+    flat = np.concatenate(values) if values else np.zeros(0, np.int64)
+    if flat.size and flat.min() >= np.iinfo(np.int32).min and flat.max() <= np.iinfo(np.int32).max:
+        flat = flat.astype(np.int32)
+    return ArrayTokens(flat, np.r_[0, np.cumsum(lens)])
+
+
+def is_compressed(path: str | os.PathLike[str]) -> bool:
+    """True for a ``.gz``/``.zst`` file (decoded into memory, not indexed)."""
+    return compression_of(path) is not None

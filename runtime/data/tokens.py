@@ -21,6 +21,10 @@ Formats:
 - Megatron indexed dataset (``MegatronTokens``): ``np.memmap`` of the ``.bin`` file, pointers and
   dtype from the ``.idx``.
 - ``ArrayTokens``: sequences already in memory (synthetic data, tests, benchmarks).
+- Compressed JSONL (``.jsonl.gz``, ``.jsonl.zst``): decoded once into an ``ArrayTokens``
+  (a stream cannot be seeked into).
+- Several files, a directory or a glob (``ConcatTokens``): one source per file, in the order
+  ``planner.sources.dataset`` defines (the planner's), sample indices running through the files.
 
 Trade-off: ``read`` is one Python call per segment, which costs microseconds; a microbatch of
 hundreds of short rows would spend most of its time there, so the memory, Megatron and Arrow
@@ -31,19 +35,24 @@ JSONL decodes every needed line with ``json.loads``: the slowest source by far.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 from numpy.typing import NDArray
 
+from planner.sources.dataset import expand_paths
+from planner.sources.lengths import DATASET_SUFFIXES
+from runtime.data.shard import ranges_to_indices
 from runtime.data.token_files import ArrayTokens, ArrowTokens, MegatronTokens
-from runtime.data.token_jsonl import JsonlTokens
+from runtime.data.token_jsonl import JsonlTokens, decode_compressed_jsonl, is_compressed
 
 __all__ = [
     "ArrayTokens",
     "ArrowTokens",
     "BatchedTokenSource",
+    "ConcatTokens",
     "JsonlTokens",
     "MegatronTokens",
     "TokenSource",
@@ -102,11 +111,62 @@ def read_segments(source: TokenSource, sample_index: NDArray[np.int64],
     return np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
 
 
-def open_token_source(path: str | os.PathLike[str], **kwargs: object) -> TokenSource:
-    """Open ``path`` by extension: .jsonl/.json, .arrow/.feather/.ipc, .parquet/.pq, or a
-    Megatron ``.bin``/``.idx`` (either file, or the prefix without suffix)."""
-    p = Path(path)
+class ConcatTokens:
+    """Several sources as one dataset: file j's samples follow file j-1's."""
+
+    def __init__(self, sources: Sequence[TokenSource], names: Sequence[str]) -> None:
+        self.sources = list(sources)
+        self.names = list(names)
+        counts = [s.num_samples for s in self.sources]
+        self._starts = np.r_[0, np.cumsum(counts)].astype(np.int64)
+        parts = [np.asarray(s.lengths(), dtype=np.int64) for s in self.sources]
+        self._lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    @property
+    def num_samples(self) -> int:
+        return int(self._starts[-1])
+
+    def lengths(self) -> NDArray[np.int64]:
+        return self._lengths
+
+    def _file(self, sample_index: NDArray[np.int64]) -> NDArray[np.int64]:
+        bad = (sample_index < 0) | (sample_index >= self.num_samples)
+        if bad.any():
+            s = int(sample_index[np.argmax(bad)])
+            raise ValueError(f"{', '.join(self.names)}: sample {s} out of range "
+                             f"0..{self.num_samples - 1}")
+        return np.searchsorted(self._starts, sample_index, "right") - 1
+
+    def read(self, sample_index: int, offset: int, length: int) -> NDArray[np.int64]:
+        j = int(self._file(np.array([sample_index], np.int64))[0])
+        return self.sources[j].read(sample_index - int(self._starts[j]), offset, length)
+
+    def read_many(self, sample_index: NDArray[np.int64], offset: NDArray[np.int64],
+                  length: NDArray[np.int64]) -> NDArray[np.int64]:
+        sample_index = np.asarray(sample_index, np.int64)
+        offset, length = np.asarray(offset, np.int64), np.asarray(length, np.int64)
+        files = self._file(sample_index)
+        out = np.empty(int(length.sum()), dtype=np.int64)
+        out_start = np.cumsum(length) - length
+        for j in np.unique(files).tolist():
+            sel = np.flatnonzero(files == j)
+            got = read_segments(self.sources[j], sample_index[sel] - self._starts[j],
+                                offset[sel], length[sel])
+            out[ranges_to_indices(out_start[sel], length[sel])] = got
+        return out
+
+    def close(self) -> None:
+        for s in self.sources:
+            close = getattr(s, "close", None)
+            if close is not None:
+                close()
+
+
+def _open_one(p: Path, **kwargs: object) -> TokenSource:
     suffix = p.suffix.lower()
+    if is_compressed(p):
+        opts = {k: v for k, v in kwargs.items() if k in ("field", "skip_bad_records")}
+        return decode_compressed_jsonl(p, **opts)  # type: ignore[arg-type]
     if suffix in (".jsonl", ".json"):
         return JsonlTokens(p, **kwargs)  # type: ignore[arg-type]
     if suffix in (".arrow", ".feather", ".ipc", ".parquet", ".pq"):
@@ -115,5 +175,29 @@ def open_token_source(path: str | os.PathLike[str], **kwargs: object) -> TokenSo
         return MegatronTokens(p.with_suffix(""))
     if Path(str(p) + ".idx").is_file():
         return MegatronTokens(p)
-    raise ValueError(f"{p}: unknown dataset format (expected .jsonl, .arrow, .parquet or a "
-                     "Megatron .bin/.idx prefix)")
+    raise ValueError(f"{p}: unknown dataset format (expected .jsonl (also .gz, .zst), .arrow, "
+                     ".parquet or a Megatron .bin/.idx prefix)")
+
+
+def open_token_source(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+                      **kwargs: object) -> TokenSource:
+    """Open a dataset by extension: .jsonl/.json (also .gz/.zst), .arrow/.feather/.ipc,
+    .parquet/.pq, or a Megatron ``.bin``/``.idx`` (either file, or the prefix without suffix);
+    or several of these, a directory or a glob (in ``planner.sources.dataset``'s order) as one
+    source."""
+    items = [os.fspath(path)] if isinstance(path, (str, os.PathLike)) else [
+        os.fspath(p) for p in path]
+    files = [f for f, _ in expand_paths(items, DATASET_SUFFIXES)]
+    if len(files) == 1 and len(items) == 1 and files[0] == items[0]:
+        return _open_one(Path(files[0]), **kwargs)
+    sources: list[TokenSource] = []
+    try:
+        for f in files:
+            sources.append(_open_one(Path(f), **kwargs))
+    except BaseException:
+        for s in sources:
+            close = getattr(s, "close", None)
+            if close is not None:
+                close()
+        raise
+    return ConcatTokens(sources, files)

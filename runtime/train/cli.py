@@ -26,20 +26,56 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from planner.cliargs import (
+    HelpFormatter,
+    add_json_arguments,
+    add_version,
+    flag_message,
+    nonnegative_int,
+    refuse,
+)
+from planner.sources.dataset import parse_data_path
 from runtime.adapters import FRAMEWORKS, load_launcher
 from runtime.train.backends import ATTENTIONS
 from runtime.train.common import DTYPES, TrainConfig, init_process_group
-from runtime.train.model import GPTConfig, add_model_arguments, model_config_from_args
+from runtime.train.model import (
+    MODEL_FLAGS,
+    GPTConfig,
+    add_model_arguments,
+    model_config_from_args,
+)
 from runtime.train.oracle import train_reference
 from runtime.train.trainer import Trainer
 
+TRAIN_FLAGS = {**MODEL_FLAGS, "save_every": "--save-every", "steps": "--steps",
+               "attention": "--attention", "dtype": "--dtype", "device": "--device"}
+"""Config fields -> flags, for error messages."""
 
-def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, GPTConfig, bool, str]:
-    """Parse ``dcp-train``'s flags into (TrainConfig, GPTConfig, reference, framework)."""
-    p = argparse.ArgumentParser(prog="dcp-train", description=__doc__.split("\n\n")[0])
+REFUSED = {
+    "--micro-batch-size": "the plan fixes every step's microbatches (dcp-plan "
+    "--max-tokens-per-rank)",
+    "--global-batch-size": "the plan fixes every step's samples: give it to dcp-plan",
+    "--seq-length": "samples keep their own lengths; the plan says how they are packed",
+    "--context-parallel-size": "the plan's header fixes the parallel layout: give it to "
+    "dcp-plan, then launch dp x cp ranks",
+    "--tensor-model-parallel-size": "the plan's header fixes the parallel layout (dcp-plan "
+    "--tp); dcp-train's model runs tp = 1, Megatron's with --framework megatron",
+}
+"""Megatron flags that mean nothing to dcp-train, refused with what to do instead."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dcp-train", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    add_version(p)
     p.add_argument("--plan", required=True, help="plan file (.arrow) made by dcp-plan")
-    p.add_argument("--dataset", required=True, help="the dataset the plan was made for")
-    p.add_argument("--steps", type=int, default=0,
+    p.add_argument("--dataset", nargs="+", default=None, metavar="PATH",
+                   help="the dataset the plan was made for: files, directories or globs in "
+                   "dcp-plan's order (default: the files the plan's header lists)")
+    p.add_argument("--data-path", nargs="+", default=None, metavar="[WEIGHT] PATH",
+                   help="Megatron-style alternative to --dataset (the weights are the plan's; "
+                   "they are read and ignored here)")
+    p.add_argument("--steps", "--train-iters", dest="steps", type=nonnegative_int, default=0,
                    help="absolute step to stop before (0: all steps of the plan)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to train")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights")
@@ -53,35 +89,72 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, GPTConfi
     p.add_argument("--attention", choices=ATTENTIONS, default="reference",
                    help="CP attention: reference (all-gather, CPU/GPU), te, torch (CUDA)")
     p.add_argument("--save", default="", help="checkpoint directory written at the end")
-    p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps")
-    p.add_argument("--resume", default="", help="checkpoint directory to continue from")
-    p.add_argument("--quiet", action="store_true", help="do not print per-step lines")
+    p.add_argument("--save-every", "--save-interval", dest="save_every", type=nonnegative_int,
+                   default=0, help="also checkpoint every N steps (0: only at the end)")
+    p.add_argument("--resume", "--load", dest="resume", default="",
+                   help="checkpoint directory to continue from")
+    p.add_argument("--quiet", action="store_true",
+                   help="no per-step lines, no progress bar, no text summary")
+    add_json_arguments(p)
     ev = p.add_argument_group("evaluation", "an eval plan (dcp-plan DATA --eval) run forward only "
                               "during training; rank 0 writes one JSON line per evaluation")
     ev.add_argument("--eval-plan", default="", help="evaluation plan (.arrow, kind eval); its "
                     "pool, tp and pp must be the training plan's")
     ev.add_argument("--eval-dataset", default="", help="the dataset the eval plan was made for")
-    ev.add_argument("--eval-interval", type=int, default=0, metavar="K",
+    ev.add_argument("--eval-interval", type=nonnegative_int, default=0, metavar="K",
                     help="evaluate after every K training steps and after the last "
                     "(0: only after the last)")
-    ev.add_argument("--eval-steps", type=int, default=0, metavar="M",
+    ev.add_argument("--eval-steps", type=nonnegative_int, default=0, metavar="M",
                     help="evaluate only the eval plan's first M steps (0: all of it)")
     add_model_arguments(p)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
                    help="fp32, or bf16 autocast with fp32 master weights")
+    p.add_argument("--bf16", dest="dtype", action="store_const", const="bf16",
+                   help="Megatron's spelling of --dtype bf16")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    refuse(p, REFUSED)
+    return p
+
+
+def _plan_datasets(parser: argparse.ArgumentParser, plan: str) -> tuple[str, ...]:
+    """The dataset files a plan's header lists (format 2), or its one path (format 1)."""
+    from planner.planfile.io import PlanFile
+
+    try:
+        with PlanFile(plan) as f:
+            d = f.header.dataset
+    except (OSError, ValueError) as e:
+        parser.error(f"--plan: {e}")
+    return tuple(str(x["path"]) for x in d.files) or (d.path,)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, GPTConfig, bool, str]:
+    """Parse ``dcp-train``'s flags into (TrainConfig, GPTConfig, reference, framework)."""
+    p = _parser()
     a = p.parse_args(argv)
+    if a.dataset and a.data_path:
+        p.error("give the dataset with --dataset or --data-path, not both")
+    items: tuple[str, ...]
+    if a.data_path:
+        try:
+            items = tuple(parse_data_path(a.data_path)[0])
+        except ValueError as e:
+            p.error(str(e))
+    else:
+        items = tuple(a.dataset or ()) or _plan_datasets(p, a.plan)
     try:
         model_config = model_config_from_args(a)
-        cfg = TrainConfig(plan=a.plan, dataset=a.dataset, steps=a.steps, device=a.device,
-                          seed=a.seed, attention=a.attention, dtype=a.dtype, lr=a.lr,
-                          weight_decay=a.weight_decay, log_jsonl=a.log_jsonl, save=a.save,
-                          save_every=a.save_every, resume=a.resume, quiet=a.quiet,
+        cfg = TrainConfig(plan=a.plan, dataset=items[0] if len(items) == 1 else " ".join(items),
+                          datasets=items if len(items) > 1 else (), steps=a.steps,
+                          device=a.device, seed=a.seed, attention=a.attention, dtype=a.dtype,
+                          lr=a.lr, weight_decay=a.weight_decay, log_jsonl=a.log_jsonl,
+                          save=a.save, save_every=a.save_every, resume=a.resume, quiet=a.quiet,
+                          json=a.json, summary_json=a.summary_json,
                           eval_plan=a.eval_plan, eval_dataset=a.eval_dataset,
                           eval_interval=a.eval_interval, eval_steps=a.eval_steps)
     except ValueError as e:
-        p.error(str(e))
+        p.error(flag_message(str(e), TRAIN_FLAGS))
     return cfg, model_config, a.reference, a.framework
 
 
@@ -107,8 +180,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             if created:
                 dist.destroy_process_group()
-    except ValueError as e:
-        print(f"dcp-train: error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:
+        print(f"dcp-train: error: {flag_message(str(e), TRAIN_FLAGS)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("dcp-train: interrupted", file=sys.stderr)
+        return 130
     return 0
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,8 @@ from typing import IO, Any
 import torch
 import torch.distributed as dist
 
+from planner.cliargs import emit_summary
+from planner.progress import Progress
 from runtime.data.plan_reader import PlanReader
 from runtime.train import checkpoint
 from runtime.train.backends import ATTENTIONS
@@ -33,7 +36,9 @@ class TrainConfig:
     plan: str
     """Path of the plan file."""
     dataset: str
-    """Path of the dataset the plan was made for."""
+    """The dataset the plan was made for (a path, directory or glob; see ``datasets``)."""
+    datasets: tuple[str, ...] = ()
+    """Several dataset items in order (``dcp-train --dataset A B``); empty: ``dataset`` alone."""
     steps: int = 0
     """Absolute step to stop before; 0 means every step of the plan."""
     device: str = "cpu"
@@ -68,6 +73,17 @@ class TrainConfig:
     and after the run's last step; 0: only after the last step."""
     eval_steps: int = 0
     """Evaluate only the eval plan's first ``eval_steps`` steps; 0: the whole eval plan."""
+    json: bool = False
+    """Print the end-of-run summary as one JSON line on stdout (after the step lines)."""
+    summary_json: str = ""
+    """File the end-of-run summary is written to as JSON."""
+    progress: bool = True
+    """A progress bar (rate, ETA) on stderr when it is a terminal (rank 0)."""
+
+    @property
+    def dataset_paths(self) -> tuple[str, ...]:
+        """What ``open_token_source`` opens: ``datasets``, else ``dataset``."""
+        return self.datasets or (self.dataset,)
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTIONS:
@@ -177,29 +193,85 @@ def checkpoint_meta(model_config: GPTConfig, reader: PlanReader) -> dict[str, An
 
 
 class StepLogger:
-    """Rank 0's per-step output: a JSON line to stdout and, if asked, to a file."""
+    """Rank 0's per-step output: a JSON line to stdout and, if asked, to a file; a progress bar
+    on stderr when it is a terminal (``begin`` gives the step count, for the ETA); at ``close``,
+    the run's summary (``run_summary``) as text on stderr, JSON on stdout (``--json``) and in
+    ``--summary-json FILE``."""
 
     def __init__(self, cfg: TrainConfig, enabled: bool) -> None:
         self.enabled = enabled
+        self.cfg = cfg
         self.quiet = cfg.quiet
         self.file: IO[str] | None = None
+        self.logs: list[StepLog] = []
+        self.evals: list[EvalLog] = []
+        self.bar = Progress("training", unit="step", enabled=enabled and cfg.progress
+                            and not cfg.quiet)
         if enabled and cfg.log_jsonl:
             Path(cfg.log_jsonl).parent.mkdir(parents=True, exist_ok=True)
             self.file = open(cfg.log_jsonl, "a")  # noqa: SIM115 - closed in close()
+
+    def begin(self, num_steps: int) -> None:
+        """The run will log ``num_steps`` steps (sizes the progress bar)."""
+        self.bar(0, num_steps)
 
     def write(self, log: StepLog | EvalLog) -> None:
         if not self.enabled:
             return
         line = log.to_json()
         if not self.quiet:
-            print(line, flush=True)
+            self.bar.write(line)
+        if isinstance(log, StepLog):
+            self.logs.append(log)
+            self.bar.update(1, loss=f"{log.loss:.4f}")
+        else:
+            self.evals.append(log)
         if self.file is not None:
             self.file.write(line + "\n")
             self.file.flush()
 
     def close(self) -> None:
+        self.bar.close()
         if self.file is not None:
             self.file.close()
+            self.file = None
+        if self.enabled and self.logs and (self.cfg.json or self.cfg.summary_json
+                                           or not self.quiet):
+            summary = run_summary(self.cfg, self.logs)
+            if self.evals:
+                summary["evaluations"] = len(self.evals)
+                summary["eval_loss_last"] = self.evals[-1].eval_loss
+            if not self.cfg.json and not self.quiet:
+                print(format_run_summary(summary), file=sys.stderr, flush=True)
+            emit_summary(summary, "", as_json=self.cfg.json, json_path=self.cfg.summary_json)
+
+
+def run_summary(cfg: TrainConfig, logs: list[StepLog]) -> dict[str, Any]:
+    """Every end-of-run figure of a training run, JSON-ready."""
+    seconds = sorted(log.seconds for log in logs)
+    total = float(sum(seconds))
+    tokens = sum(log.tokens for log in logs)
+    n = len(seconds)
+    median = seconds[n // 2] if n % 2 else (seconds[n // 2 - 1] + seconds[n // 2]) / 2
+    return {"plan": cfg.plan, "dataset": list(cfg.dataset_paths), "num_steps": n,
+            "first_step": logs[0].step, "last_step": logs[-1].step,
+            "loss_first": logs[0].loss, "loss_last": logs[-1].loss,
+            "tokens": tokens, "loss_tokens": sum(log.loss_tokens for log in logs),
+            "microbatches": sum(log.microbatches for log in logs),
+            "seconds": total, "seconds_per_step_mean": total / n,
+            "seconds_per_step_median": median, "seconds_per_step_min": seconds[0],
+            "seconds_per_step_max": seconds[-1],
+            "tokens_per_second": tokens / total if total > 0 else None}
+
+
+def format_run_summary(s: dict[str, Any]) -> str:
+    """One line of the run's summary (stderr; stdout keeps the JSON lines)."""
+    rate = s["tokens_per_second"]
+    return (f"dcp-train: {s['num_steps']} steps ({s['first_step']}-{s['last_step']}), loss "
+            f"{s['loss_first']:.4f} -> {s['loss_last']:.4f}, {s['tokens']:,} tokens in "
+            f"{s['seconds']:.1f} s ({s['seconds_per_step_mean']:.2f} s/step mean, "
+            f"{s['seconds_per_step_median']:.2f} median"
+            + (f", {rate:,.0f} tokens/s)" if rate else ")"))
 
 
 def step_range(cfg: TrainConfig, start: int, num_steps: int) -> range:

@@ -214,15 +214,29 @@ def sequence_attention(q: Tensor, k: Tensor, v: Tensor, layer_index: int) -> Ten
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """The model-shape flags shared by ``dcp-train`` and ``dcp-calibrate``."""
-    parser.add_argument("--vocab-size", type=int, default=256, help="token ids must be below this")
-    parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
-    parser.add_argument("--hidden-size", type=int, default=64, help="model width")
-    parser.add_argument("--heads", type=int, default=4, help="query heads")
-    parser.add_argument("--query-groups", type=int, default=2, help="key/value heads (GQA)")
-    parser.add_argument("--ffn-hidden-size", type=int, default=0,
-                        help="SwiGLU width (0: 4 x hidden)")
-    parser.add_argument("--untied", action="store_true", help="separate LM head weights")
+    """The model-shape flags shared by ``dcp-train`` and ``dcp-calibrate`` (Megatron-LM's names
+    are aliases: ``--num-layers``, ``--num-attention-heads``, ``--num-query-groups``,
+    ``--untie-embeddings-and-output-weights``)."""
+    g = parser.add_argument_group("model shape")
+    g.add_argument("--vocab-size", type=int, default=256,
+                   help="token ids must be below this")
+    g.add_argument("--layers", "--num-layers", dest="layers", type=int, default=2,
+                   help="transformer blocks")
+    g.add_argument("--hidden-size", type=int, default=64, help="model width")
+    g.add_argument("--heads", "--num-attention-heads", dest="heads", type=int, default=4,
+                   help="query heads")
+    g.add_argument("--query-groups", "--num-query-groups", dest="query_groups", type=int,
+                   default=2, help="key/value heads (GQA)")
+    g.add_argument("--ffn-hidden-size", type=int, default=0,
+                   help="SwiGLU width (0: 4 x hidden)")
+    g.add_argument("--untied", "--untie-embeddings-and-output-weights", dest="untied",
+                   action="store_true", help="separate LM head weights")
+
+
+MODEL_FLAGS = {"vocab_size": "--vocab-size", "num_layers": "--layers",
+               "hidden_size": "--hidden-size", "num_heads": "--heads",
+               "num_query_groups": "--query-groups", "ffn_hidden_size": "--ffn-hidden-size"}
+"""GPTConfig fields -> the flags that set them (for error messages)."""
 
 
 def model_config_from_args(args: argparse.Namespace) -> GPTConfig:

@@ -100,7 +100,7 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
     """The oracle: every sequence alone, full causal attention, loss = sum / count per step."""
     device = resolve_device(cfg)
     reader = PlanReader(cfg.plan)
-    source = open_token_source(cfg.dataset)
+    source = open_token_source(cfg.dataset_paths)
     reader.check_dataset(source.lengths())
     eval_reader = eval_source = None
     if cfg.eval_plan:
@@ -121,6 +121,7 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
     result = TrainResult()
     try:
         steps = step_range(cfg, start, reader.num_steps)
+        logger.begin(len(steps))
         for step in steps:
             t0 = time.perf_counter()
             optimizer.zero_grad(set_to_none=False)

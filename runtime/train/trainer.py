@@ -94,7 +94,7 @@ class Trainer:
             reader = PlanReader(cfg.plan)
             self._owned.append(reader)
         if source is None:
-            source = open_token_source(cfg.dataset)
+            source = open_token_source(cfg.dataset_paths)
             self._owned.append(source)
         self.reader = reader
         self.source = source
@@ -217,6 +217,7 @@ class Trainer:
         meta = checkpoint_meta(self.model_config, self.reader)
         try:
             steps = step_range(cfg, self.start, self.reader.num_steps)
+            logger.begin(len(steps))
             for step in steps:
                 log = self.step(step)
                 result.logs.append(log)

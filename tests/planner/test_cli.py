@@ -97,9 +97,9 @@ def test_long_sequence_error_names_the_sample(tmp_path: Path,
     ("flags", "message"),
     [
         (["--cp-sizes", "1,3"], "cp size 3 is not valid for a pool of 4"),
-        (["--min-cp", "8"], "min_cp=8 leaves no group size"),
-        (["--vpp", "2"], "vpp=2 needs pp >= 2"),
-        (["--microbatch-tolerance", "1.5"], "microbatch_tolerance must be in [0, 1)"),
+        (["--min-cp", "8"], "--min-cp 8 leaves no group size"),
+        (["--vpp", "2"], "--vpp 2 needs --pp >= 2"),
+        (["--microbatch-tolerance", "1.5"], "--microbatch-tolerance must be in [0, 1)"),
     ],
 )
 def test_bad_flags_are_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str],

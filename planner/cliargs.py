@@ -1,0 +1,193 @@
+"""Command-line conventions shared by ``dcp-plan``, ``dcp-train`` and ``dcp-calibrate``.
+
+One place for what a user of Megatron-LM or torchtitan expects of every command: ``--version``,
+defaults shown in ``--help``, integer flags that say which flag was wrong, Megatron's flag names
+as aliases, Megatron flags that have no meaning here refused with what to use instead, error
+messages that name flags rather than Python fields, and machine-readable summaries
+(``--json`` on stdout, ``--summary-json FILE``).
+
+Aliases are extra option strings of the same argparse action (same ``dest``), so an alias can
+never give a different plan than the short name: argparse cannot tell them apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Callable, Mapping
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "HelpFormatter",
+    "add_json_arguments",
+    "add_version",
+    "emit_summary",
+    "flag_message",
+    "int_at_least",
+    "nonnegative_int",
+    "positive_float",
+    "positive_int",
+    "refuse",
+    "version_string",
+]
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps descriptions as written and adds ``(default: X)`` to every option with a default.
+
+    Unlike ``argparse.ArgumentDefaultsHelpFormatter`` it leaves out defaults that say nothing
+    (``None``, ``False`` of a switch, an empty string or list) and help that already names one.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or default is argparse.SUPPRESS or default is None
+                or default is False or default in ("", (), []) or "default" in text
+                or action.nargs == 0):
+            return text
+        if isinstance(default, (list, tuple)):
+            return f"{text} (default: {','.join(str(x) for x in default)})"
+        return f"{text} (default: %(default)s)"
+
+
+def version_string(prog: str) -> str:
+    """``prog VERSION (plan format N, Python X.Y)``."""
+    from planner.planfile.schema import CREATOR_VERSION, FORMAT_VERSION
+
+    try:
+        version = metadata.version("dcp-planner")
+    except metadata.PackageNotFoundError:  # run from a source tree without installing
+        version = CREATOR_VERSION
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    return f"{prog} {version} (plan format {FORMAT_VERSION}, Python {py})"
+
+
+def add_version(parser: argparse.ArgumentParser) -> None:
+    """``--version``: print the version line and exit 0."""
+    parser.add_argument("--version", action="version", version=version_string(parser.prog),
+                        help="print the version and exit")
+
+
+def _int_type(name: str, low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip().replace("_", ""))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {name}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected {name}, got {value}")
+        return value
+
+    parse.__name__ = name  # argparse names the type in some messages
+    return parse
+
+
+positive_int = _int_type("a positive integer", 1)
+"""argparse ``type`` for integers >= 1 (``--steps abc``: 'expected a positive integer')."""
+nonnegative_int = _int_type("an integer >= 0", 0)
+"""argparse ``type`` for integers >= 0."""
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """argparse ``type`` for integers >= ``low``."""
+    return _int_type(f"an integer >= {low}", low)
+
+
+def positive_float(text: str) -> float:
+    """argparse ``type`` for finite floats > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
+class _Refuse(argparse.Action):
+    """A known flag of another tool that means nothing here: fail, saying what to use."""
+
+    def __init__(self, option_strings: list[str], dest: str, hint: str = "",
+                 **kwargs: Any) -> None:
+        kwargs.setdefault("nargs", "?")
+        kwargs.setdefault("help", argparse.SUPPRESS)
+        super().__init__(option_strings, dest=argparse.SUPPRESS, **kwargs)
+        self.hint = hint
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        parser.error(f"{option_string} is not used by {parser.prog}: {self.hint}")
+
+
+def refuse(parser: argparse.ArgumentParser, hints: Mapping[str, str]) -> None:
+    """Refuse each flag of ``hints`` (Megatron's, usually) with its hint; hidden from --help."""
+    for flag, hint in hints.items():
+        parser.add_argument(flag, action=_Refuse, hint=hint)
+
+
+def flag_message(message: str, flags: Mapping[str, str]) -> str:
+    """``message`` with Python field names (``long_sequences``) replaced by their flags.
+
+    Library errors name fields, which is right for Python callers; a command line user needs the
+    flag. Only whole words are replaced, and only fields with a flag of their own.
+    """
+    if not flags:
+        return message
+    # A key ending in a word character must end a word ("min_cp" not "min_cpu"); a key such as
+    # "vpp=" carries its own end.
+    parts = [re.escape(f) + (r"(?![\w/.-])" if f[-1].isalnum() or f[-1] == "_" else "")
+             for f in sorted(flags, key=len, reverse=True)]
+    pattern = re.compile(r"(?<![\w./-])(" + "|".join(parts) + ")")
+    return pattern.sub(lambda m: flags[m.group(1)], message)
+
+
+def add_json_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--json`` (the summary as one JSON object on stdout) and ``--summary-json FILE``."""
+    parser.add_argument("--json", action="store_true",
+                        help="print the summary as one JSON object on stdout (instead of text)")
+    parser.add_argument("--summary-json", metavar="FILE", default="",
+                        help="also write the summary as JSON to FILE")
+
+
+def _plain(value: Any) -> Any:
+    """JSON-ready copy: numpy scalars become Python numbers, tuples lists, paths strings."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    if hasattr(value, "item") and callable(value.item):  # numpy scalar
+        return value.item()
+    return value
+
+
+def emit_summary(summary: Mapping[str, Any], text: str, *, as_json: bool, json_path: str,
+                 quiet: bool = False) -> None:
+    """Print ``text`` (or, with ``as_json``, the summary as JSON) and write ``json_path``.
+
+    The file is written to a temporary name beside it and renamed: a reader never sees half.
+    """
+    doc = json.dumps(_plain(summary), sort_keys=True, indent=None)
+    if as_json:
+        print(doc, flush=True)
+    elif not quiet and text:
+        print(text, flush=True)
+    if json_path:
+        path = Path(json_path)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or Path("."))
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(_plain(summary), sort_keys=True, indent=2) + "\n")
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise

@@ -1,0 +1,165 @@
+"""Datasets of many files: paths, directories and globs in a documented order; Megatron blends.
+
+A dataset is an ordered list of files; sample indices run through them in that order (the first
+file's records are samples 0..n0-1, the second's follow, ...). The order, documented for users:
+
+1. the arguments in the order given (``dcp-plan a.jsonl b.jsonl``, or ``--data-path A B``);
+2. a directory stands for the dataset files directly inside it (not in sub-directories), a glob
+   (``'shards/*.jsonl.zst'``, quoted so the shell leaves it) for the files it matches; either is
+   sorted by path, by code point (zero-padded shard numbers sort as numbers do). A directory's
+   Megatron pair ``x.bin``/``x.idx`` is one file, ``x``; hidden files and ``.dcpidx`` index caches
+   are not dataset files.
+
+The same file twice is an error (it would be two samples of one record). Megatron's
+``--data-path`` may interleave weights: ``0.3 A 0.7 B`` (Megatron-core's rule: if the first item
+is a number, items are (weight, path) pairs; otherwise every item is a path). Each weighted
+entry (which may itself be a directory or a glob) is a *group*; weights decide how many samples
+each step draws from each group (``blend_counts``).
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+__all__ = ["DataFile", "blend_counts", "expand_paths", "parse_data_path"]
+
+_GLOB_CHARS = frozenset("*?[")
+INDEX_CACHE_SUFFIXES = (".dcpidx", ".dcptok")
+"""Files the runtime writes beside a dataset (index caches): never dataset files."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataFile:
+    """One file of a dataset: where it is, what it holds and its fingerprint."""
+
+    path: str
+    """The path as expanded from the arguments (not resolved: plans stay portable)."""
+    format: str
+    """One of ``planner.sources.lengths.FORMATS``."""
+    num_samples: int
+    """Records of this file (skipped bad records included)."""
+    num_tokens: int
+    """Real tokens of this file."""
+    fingerprint: str
+    """sha256 of this file's lengths (``fingerprint_lengths``)."""
+    group: int = 0
+    """Which ``--data-path`` entry (blend group) the file came from."""
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def parse_data_path(items: Sequence[str]) -> tuple[list[str], list[float] | None]:
+    """Split Megatron's ``--data-path`` list into (paths, weights or None).
+
+    Raises:
+        ValueError: weights and paths do not pair up, or a weight is not a positive number.
+    """
+    items = list(items)
+    if not items:
+        return [], None
+    try:
+        float(items[0])
+    except ValueError:
+        return items, None
+    if len(items) % 2:
+        raise ValueError(f"--data-path: {len(items)} items; with weights they come in pairs "
+                         "'WEIGHT PATH WEIGHT PATH ...'")
+    weights: list[float] = []
+    paths: list[str] = []
+    for w, path in zip(items[0::2], items[1::2], strict=True):
+        try:
+            value = float(w)
+        except ValueError:
+            raise ValueError(f"--data-path: {w!r} (before {path!r}) is not a weight; give "
+                             "'WEIGHT PATH' pairs or paths only") from None
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"--data-path: weight {w} of {path!r} must be a positive number")
+        weights.append(value)
+        paths.append(path)
+    return paths, weights
+
+
+def _is_dataset_file(p: Path, suffixes: Sequence[str]) -> bool:
+    name = p.name
+    if name.startswith(".") or name.endswith(INDEX_CACHE_SUFFIXES) or not p.is_file():
+        return False
+    return name.lower().endswith(tuple(suffixes))
+
+
+def _directory(path: str, suffixes: Sequence[str]) -> list[str]:
+    found = sorted(str(p) for p in Path(path).iterdir() if _is_dataset_file(p, suffixes))
+    out: list[str] = []
+    for f in found:
+        lower = f.lower()
+        if lower.endswith(".bin") and f[:-4] + ".idx" in found:
+            continue  # the pair is listed once, as its prefix, from the .idx
+        out.append(f[:-4] if lower.endswith(".idx") else f)
+    if not out:
+        raise ValueError(f"{path}: directory holds no dataset files (suffixes "
+                         f"{', '.join(suffixes)})")
+    return out
+
+
+def expand_paths(items: Sequence[str], suffixes: Sequence[str]) -> list[tuple[str, int]]:
+    """Every file of the dataset, in order, each with the index of the item it came from.
+
+    Args:
+        items: files, directories, globs or Megatron prefixes, in the order given.
+        suffixes: what a dataset file inside a directory ends with (lower case).
+
+    Raises:
+        ValueError: an item matches nothing, or a file appears twice.
+    """
+    out: list[tuple[str, int]] = []
+    for g, item in enumerate(items):
+        item = os.fspath(item)
+        if os.path.isdir(item):
+            files = _directory(item, suffixes)
+        elif os.path.exists(item) or os.path.isfile(f"{item}.idx") or not (
+                _GLOB_CHARS & set(item)):
+            files = [item]
+        else:
+            matched = sorted(glob.glob(item))
+            files = [f for f in matched if _is_dataset_file(Path(f), suffixes)]
+            if not files:
+                raise ValueError(f"{item}: no dataset file matches this pattern"
+                                 + (f" ({len(matched)} other files do)" if matched else ""))
+        out.extend((f, g) for f in files)
+    seen: dict[str, str] = {}
+    for f, _ in out:
+        key = os.path.realpath(f)
+        if key in seen:
+            raise ValueError(f"{f}: the same file is given twice (as {seen[key]!r} too); a "
+                             "dataset lists each file once")
+        seen[key] = f
+    return out
+
+
+def blend_counts(weights: Sequence[float], global_batch_size: int) -> list[int]:
+    """Samples each group gives every step: ``B * w / sum(w)``, rounded by largest remainder.
+
+    Deterministic: ties in the remainder go to the earlier group. Example: weights (0.3, 0.7),
+    B = 64 -> exact (19.2, 44.8) -> [19, 45].
+
+    Raises:
+        ValueError: a group would give no sample per step.
+    """
+    total = float(sum(weights))
+    exact = [global_batch_size * w / total for w in weights]
+    counts = [int(math.floor(x)) for x in exact]
+    rest = global_batch_size - sum(counts)
+    order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in order[:rest]:
+        counts[i] += 1
+    for i, c in enumerate(counts):
+        if c == 0:
+            raise ValueError(f"--data-path weight {weights[i]:g} of entry {i} gives 0 of "
+                             f"{global_batch_size} samples per step; raise the weight or "
+                             "--global-batch-size")
+    return counts

@@ -1,0 +1,116 @@
+"""The end-of-run summary of ``dcp-plan``: one dict of every figure, and its text rendering.
+
+``plan_summary`` is what ``dcp-plan --json`` prints and ``--summary-json FILE`` writes; the text
+that ``dcp-plan`` prints is rendered from the same dict, so the two can never disagree. Keys are
+stable (scripts read them): counts are integers, ratios plain fractions (``padding_overhead``
+0.00015 means 0.015%), times seconds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from planner.planfile.schema import PlanHeader
+
+__all__ = ["format_summary", "plan_summary"]
+
+
+def plan_summary(header: PlanHeader, out: str | Path, phases: dict[str, float]) -> dict[str, Any]:
+    """Every summary figure of a plan as JSON-ready values.
+
+    Args:
+        header: the plan's header.
+        out: where the plan was written.
+        phases: wall-clock seconds per phase (``read``, ``plan``, ``validate+write``).
+    """
+    s = header.stats
+    p = header.parallel
+    d = header.dataset
+    total = float(sum(phases.values()))
+    bound = float(s["lower_bound_seconds"])
+    drawn = d.num_samples * len(header.epochs)
+    files = [dict(f) for f in getattr(d, "files", ())] or [
+        {"path": d.path, "format": d.format, "num_samples": d.num_samples,
+         "num_tokens": d.num_tokens, "fingerprint": d.fingerprint, "group": 0}]
+    return {
+        "plan": str(out),
+        "format_version": header.format_version,
+        "dataset": {"path": d.path, "format": d.format, "num_samples": d.num_samples,
+                    "num_tokens": d.num_tokens, "fingerprint": d.fingerprint, "files": files},
+        "parallel": {"dp": p.dp, "cp": p.cp, "tp": p.tp, "pp": p.pp, "vpp": p.vpp,
+                     "sequence_parallel": p.sequence_parallel, "pool_size": p.pool_size,
+                     "microbatch_group_size": p.microbatch_group_size},
+        "capacity_tokens_per_rank": header.capacity_tokens_per_rank,
+        "cp_sizes": list(header.cp_sizes),
+        "layout": header.layout,
+        "global_batch": dict(header.global_batch),
+        "seed": header.seed,
+        "kind": header.kind,
+        "num_steps": int(s["num_steps"]),
+        "num_epochs": len(header.epochs),
+        "microbatches_per_step": dict(s["microbatches_per_step"]),
+        "cp_size_groups": {str(k): int(v) for k, v in sorted(
+            s["cp_size_groups"].items(), key=lambda kv: int(kv[0]))},
+        "padding_overhead": float(s["padding_overhead"]),
+        "alignment_padding": float(s["alignment_padding"]),
+        "slot_fill": float(s["slot_fill"]),
+        "simulated_seconds": float(s["simulated_seconds"]),
+        "lower_bound_seconds": bound,
+        "time_over_bound": float(s["simulated_seconds"]) / max(bound, 1e-12),
+        "cost_model": str(header.cost_model.get("name")),
+        "split_samples": len(s.get("split_samples", [])),
+        "truncated_samples": len(s.get("truncated_samples", [])),
+        "dropped_samples": len(s.get("dropped_samples", [])),
+        "skipped_bad_records": int(s.get("skipped_bad_records", 0)),
+        "seconds": {**{k: float(v) for k, v in phases.items()}, "total": total},
+        "samples_per_second": drawn / total if total > 0 else None,
+    }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The human-readable summary (what ``dcp-plan`` prints) of ``plan_summary``'s dict."""
+    s = summary
+    d, p = s["dataset"], s["parallel"]
+    mb = s["microbatches_per_step"]
+    lines = [
+        f"plan      {s['plan']}",
+        f"dataset   {d['path']}: {d['num_samples']:,} samples, {d['num_tokens']:,} tokens "
+        f"({d['format']})",
+    ]
+    if len(d["files"]) > 1:
+        for f in d["files"]:
+            lines.append(f"  file    {f['path']}: {f['num_samples']:,} samples, "
+                         f"{f['num_tokens']:,} tokens")
+    blend = s["global_batch"].get("blend")
+    if blend:
+        lines.append("blend     per step " + ", ".join(
+            f"{c} from entry {g} (weight {w:g})" for g, (c, w) in enumerate(
+                zip(blend["samples_per_step"], blend["weights"], strict=True))))
+    lines += [
+        f"pool      dp {p['dp']} x cp {p['cp']} = {p['pool_size']} ranks (tp {p['tp']}, "
+        f"pp {p['pp']}, vpp {p['vpp']}), cap {s['capacity_tokens_per_rank']:,} tokens/rank, "
+        f"sizes {s['cp_sizes']}, {s['layout']}",
+        f"steps     {s['num_steps']:,} ("
+        + ("eval: one pass in file order" if s["kind"] == "eval"
+           else f"{s['num_epochs']} epoch(s)") + "), microbatches per step "
+        f"{mb['min']}-{mb['max']} (mean {mb['mean']:.2f})",
+        "groups    " + ", ".join(f"cp{k}: {v:,}" for k, v in s["cp_size_groups"].items()),
+        f"padding   {100 * s['padding_overhead']:.3f}% of real tokens "
+        f"(alignment {100 * s['alignment_padding']:.3f}%)",
+        f"slot fill {s['slot_fill']:.3f} (real tokens / (N x CAP x microbatches))",
+        f"time      {s['simulated_seconds']:.2f} s simulated vs lower bound "
+        f"{s['lower_bound_seconds']:.2f} s ({s['time_over_bound']:.3f}x) [{s['cost_model']}]",
+    ]
+    policy = [f"{s[k]} {k.split('_')[0]}" for k in
+              ("split_samples", "truncated_samples", "dropped_samples") if s[k]]
+    if s["skipped_bad_records"]:
+        policy.append(f"{s['skipped_bad_records']} bad records skipped")
+    if policy:
+        lines.append("long/bad  " + ", ".join(policy))
+    phases = {k: v for k, v in s["seconds"].items() if k != "total"}
+    detail = ", ".join(f"{k} {v:.2f} s" for k, v in phases.items())
+    rate = s["samples_per_second"]
+    speed = f"{rate:,.0f} sequences/s" if rate is not None else "inf sequences/s"
+    lines.append(f"speed     {speed} in {s['seconds']['total']:.2f} s ({detail})")
+    return "\n".join(lines)
