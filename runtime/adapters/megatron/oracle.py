@@ -52,7 +52,7 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
     device = resolve_device(cfg)
     patches.apply_patches(device)
     reader = PlanReader(cfg.plan)
-    source = open_token_source(cfg.dataset)
+    source = open_token_source(cfg.dataset_paths)
     try:
         reader.check_dataset(source.lengths())
         header = reader.header

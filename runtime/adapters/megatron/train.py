@@ -89,7 +89,7 @@ class MegatronTrainer:
             reader = PlanReader(cfg.plan)
             self._owned.append(reader)
         if source is None:
-            source = open_token_source(cfg.dataset)
+            source = open_token_source(cfg.dataset_paths)
             self._owned.append(source)
         reader.check_dataset(source.lengths())
         self.reader, self.source = reader, source
@@ -207,7 +207,9 @@ class MegatronTrainer:
         logger = StepLogger(self.cfg, enabled=self.rank == 0)
         result = TrainResult()
         try:
-            for step in step_range(self.cfg, 0, self.reader.num_steps):
+            steps = step_range(self.cfg, 0, self.reader.num_steps)
+            logger.begin(len(steps))
+            for step in steps:
                 log = self.step(step)
                 result.logs.append(log)
                 logger.write(log)
