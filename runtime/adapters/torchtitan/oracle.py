@@ -103,7 +103,7 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig) -> TrainResult:
                          "--resume): run the whole range of steps instead")
     device = resolve_device(cfg)
     reader = PlanReader(cfg.plan)
-    source = open_token_source(cfg.dataset)
+    source = open_token_source(cfg.dataset_paths)
     reader.check_dataset(source.lengths())
     evaluation: tuple[PlanReader, TokenSource] | None = None
     if cfg.eval_plan:
