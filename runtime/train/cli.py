@@ -101,10 +101,10 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--eval-plan", default="", help="evaluation plan (.arrow, kind eval); its "
                     "pool, tp and pp must be the training plan's")
     ev.add_argument("--eval-dataset", default="", help="the dataset the eval plan was made for")
-    ev.add_argument("--eval-interval", type=nonnegative_int, default=0, metavar="K",
+    ev.add_argument("--eval-interval", type=int, default=0, metavar="K",
                     help="evaluate after every K training steps and after the last "
                     "(0: only after the last)")
-    ev.add_argument("--eval-steps", type=nonnegative_int, default=0, metavar="M",
+    ev.add_argument("--eval-steps", type=int, default=0, metavar="M",
                     help="evaluate only the eval plan's first M steps (0: all of it)")
     add_model_arguments(p)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
