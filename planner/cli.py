@@ -26,9 +26,11 @@ from planner.cliargs import (
     add_version,
     emit_summary,
     flag_message,
+    int_list,
     nonnegative_int,
     positive_int,
     refuse,
+    step_range,
 )
 from planner.config import (
     EFFORTS,
@@ -74,7 +76,6 @@ FLAGS = {
     "drop_last": "--drop-last",
     "skip_bad_records": "--skip-bad-records",
     "cost_model": "--cost-model",
-    "pad to multiple": "--pad-to-multiple",
     "min_cp=": "--min-cp ",
     "vpp=": "--vpp ",
     "pp >=": "--pp >=",
@@ -96,30 +97,6 @@ MEGATRON_REFUSED = {
     "--num-microbatches": "microbatch counts are planned per step; see --microbatch-tolerance",
 }
 """Megatron flags that mean nothing here, refused with what to use instead."""
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a comma-separated list of ints such as 1,2,4, got {text!r}") from None
-
-
-def _step_range(text: str) -> tuple[int, int | None]:
-    """``A:B``, ``A:`` or ``:B`` (steps A..B-1), or ``A`` (that step only)."""
-    a, colon, b = text.partition(":")
-    try:
-        lo = int(a) if a.strip() else 0
-        hi = int(b) if b.strip() else None
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a step range A:B such as 0:10 (or A: or :B), got {text!r}") from None
-    if not colon:
-        hi = lo + 1
-    if lo < 0 or (hi is not None and hi < lo):
-        raise argparse.ArgumentTypeError(f"expected 0 <= A <= B in A:B, got {text!r}")
-    return lo, hi
 
 
 def _add_dataset_arguments(p: argparse.ArgumentParser, *, required: bool) -> None:
@@ -186,10 +163,10 @@ def _plan_parser() -> argparse.ArgumentParser:
                      "eval step (not with --drop-last, --epochs or --seed)")
     sol = p.add_argument_group("groups and solver")
     sol.add_argument("--layout", choices=LAYOUTS, default="zigzag", help="CP sharding layout")
-    sol.add_argument("--pad-to-multiple", type=positive_int, default=1, metavar="N",
+    sol.add_argument("--pad-to-multiple", type=int, default=1, metavar="N",
                      help="also pad every sequence to a multiple of N (e.g. 16 for FP8 GEMMs); "
                      "the padding counts in --max-tokens-per-rank (1: only the CP/SP rule)")
-    sol.add_argument("--cp-sizes", type=_int_list, default=(), metavar="LIST",
+    sol.add_argument("--cp-sizes", type=int_list, default=(), metavar="LIST",
                      help="allowed group sizes, e.g. 1,2,4,8 (default: Megatron's valid sizes "
                      "for the pool)")
     sol.add_argument("--min-cp", type=positive_int, default=1,
@@ -332,7 +309,7 @@ def cmd_show(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog=f"{PROG} show", formatter_class=HelpFormatter,
                                 description="Per-step table of a plan (or one step's rows).")
     p.add_argument("plan", help="plan file (.arrow)")
-    p.add_argument("--steps", type=_step_range, default=(0, None), metavar="A:B",
+    p.add_argument("--steps", type=step_range, default=(0, None), metavar="A:B",
                    help="steps A..B-1 (default: the first 50)")
     p.add_argument("--step", type=nonnegative_int, metavar="I",
                    help="print every row of this one step")

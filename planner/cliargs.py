@@ -31,10 +31,12 @@ __all__ = [
     "emit_summary",
     "flag_message",
     "int_at_least",
+    "int_list",
     "nonnegative_int",
     "positive_float",
     "positive_int",
     "refuse",
+    "step_range",
     "version_string",
 ]
 
@@ -110,6 +112,31 @@ def positive_float(text: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
     return value
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """argparse ``type`` for a comma-separated list of ints (``1,2,4``)."""
+    try:
+        return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of ints such as 1,2,4, got {text!r}") from None
+
+
+def step_range(text: str) -> tuple[int, int | None]:
+    """argparse ``type``: ``A:B``, ``A:`` or ``:B`` (steps A..B-1), or ``A`` (that step only)."""
+    a, colon, b = text.partition(":")
+    try:
+        lo = int(a) if a.strip() else 0
+        hi = int(b) if b.strip() else None
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a step range A:B such as 0:10 (or A: or :B), got {text!r}") from None
+    if not colon:
+        hi = lo + 1
+    if lo < 0 or (hi is not None and hi < lo):
+        raise argparse.ArgumentTypeError(f"expected 0 <= A <= B in A:B, got {text!r}")
+    return lo, hi
 
 
 class _Refuse(argparse.Action):
