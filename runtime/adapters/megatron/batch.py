@@ -113,26 +113,35 @@ class PlanBatches:
     def batch(self, step: int, microbatch: int, chunk: int = 0) -> Batch:
         """One microbatch for model chunk ``chunk`` (built now; see the module docstring)."""
         rows = self.rows(step, microbatch)
-        first = self._first and chunk == 0
-        last = self._last and chunk == self.num_chunks - 1
+        first, last = self.stage_of(chunk)
         mb = build_microbatch(rows, self.source, layout=self.reader.layout,
                               is_first_stage=first, is_last_stage=last)
         if self.vocab_size and mb.tokens is not None:  # CPU tensor: a min and a max, no sync
             check_token_ids(mb.tokens, self.vocab_size, functools.partial(
                 _where, step, microbatch, rows))
+        return self.to_batch(mb, rows, chunk)
+
+    def stage_of(self, chunk: int) -> tuple[bool, bool]:
+        """(first stage, last stage) of model chunk ``chunk`` on this rank."""
+        return self._first and chunk == 0, self._last and chunk == self.num_chunks - 1
+
+    def to_batch(self, mb: MicrobatchInputs, rows: GroupRows, chunk: int = 0) -> Batch:
+        """A built microbatch as chunk ``chunk``'s Megatron batch (fields it does not own are
+        dropped; also used for evaluation microbatches, which ``EvalSchedule`` builds)."""
+        first, last = self.stage_of(chunk)
         mb = to_device(mb, self.device)
         mask = padding_mask(rows, self.reader.layout)
         if self._sp_split and not first:
             mask = mask.chunk(self._tp)[self._tp_rank]
         group = self.groups.cp_group(rows.rank_start, rows.cp_size)
 
-        def row(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t[None]
+        def row(t: torch.Tensor | None, keep: bool) -> torch.Tensor | None:
+            return None if t is None or not keep else t[None]
 
         return {
-            "tokens": row(mb.tokens), "position_ids": row(mb.position_ids),
-            "labels": row(mb.labels), "loss_mask": row(mb.loss_mask), "attention_mask": None,
-            "padding_mask": mask[None].to(self.device),
+            "tokens": row(mb.tokens, first), "position_ids": row(mb.position_ids, first),
+            "labels": row(mb.labels, last), "loss_mask": row(mb.loss_mask, last),
+            "attention_mask": None, "padding_mask": mask[None].to(self.device),
             "packed_seq_params": packed_seq_params(mb, group),
         }
 

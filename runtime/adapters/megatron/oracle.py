@@ -12,6 +12,7 @@ same AdamW. Segments and labels come from the native oracle's rule
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,16 +27,19 @@ from runtime.adapters.megatron.model import (
     init_weights,
     transformer_config,
 )
+from runtime.data.evaluation import check_eval_layout
 from runtime.data.plan_reader import PlanReader
 from runtime.data.tokens import open_token_source
 from runtime.dist.topology import Topology
 from runtime.train.common import (
     DTYPES,
+    EvalLog,
     StepLog,
     StepLogger,
     TrainConfig,
     TrainResult,
     resolve_device,
+    should_evaluate,
     step_range,
 )
 from runtime.train.model import GPTConfig
@@ -66,15 +70,31 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
         model = chunks[0].to(device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
                                       weight_decay=cfg.weight_decay, foreach=False)
+        eval_reader = eval_source = None
+        if cfg.eval_plan:  # the same refusals as the distributed run
+            eval_reader = PlanReader(cfg.eval_plan)
+            check_eval_layout(eval_reader.header, header, eval_source=cfg.eval_plan,
+                              train_source=cfg.plan)
+            eval_source = open_token_source(cfg.eval_dataset)
+            eval_reader.check_dataset(eval_source.lengths())
         logger = StepLogger(cfg, enabled=True)
         result = TrainResult()
         try:
-            for step in step_range(cfg, 0, reader.num_steps):
+            steps = step_range(cfg, 0, reader.num_steps)
+            for step in steps:
                 result.logs.append(_step(model, optimizer, reader, source, step, model_config,
                                          cfg, device))
                 logger.write(result.logs[-1])
+                if eval_reader is not None and should_evaluate(cfg, step, steps[-1]):
+                    result.evals.append(_evaluate(model, eval_reader, eval_source, cfg,
+                                                  step + 1, device, model_config.vocab_size))
+                    logger.write(result.evals[-1])
         finally:
             logger.close()
+            for obj in (eval_reader, eval_source):
+                close = getattr(obj, "close", None)
+                if close is not None:
+                    close()
         if keep_state:
             names = global_names(model)
             result.state = {names[n]: p.detach().cpu().clone()
@@ -85,6 +105,33 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
         close = getattr(source, "close", None)
         if close is not None:
             close()
+
+
+def _evaluate(model: torch.nn.Module, reader: PlanReader, source: Any, cfg: TrainConfig,
+              at_step: int, device: torch.device, vocab_size: int) -> EvalLog:
+    """The oracle's evaluation: the eval plan's first ``eval_steps`` steps, every segment alone,
+    no gradients; loss = sum over loss tokens / count."""
+    t0 = time.perf_counter()
+    num_steps = min(cfg.eval_steps, reader.num_steps) if cfg.eval_steps else reader.num_steps
+    total, count = 0.0, 0.0
+    dtype = DTYPES[cfg.dtype]
+    model.train(False)
+    try:
+        with torch.no_grad():
+            for step in range(num_steps):
+                for seq, labels, mask in sequences_of_step(reader, source, step, vocab_size):
+                    seq, labels, mask = seq.to(device), labels.to(device), mask.to(device)
+                    positions = torch.arange(len(seq), device=device)[None]
+                    with torch.autocast(device.type, dtype=dtype,
+                                        enabled=dtype != torch.float32):
+                        logits = model(seq[None], positions, None)
+                    total += float(sequence_loss(logits, labels, mask))
+                    count += float(mask.sum())
+    finally:
+        model.train(True)
+    return EvalLog(eval_at_step=at_step, eval_loss=total / max(count, 1.0),
+                   eval_tokens=int(count), eval_microbatches=0,
+                   seconds=time.perf_counter() - t0)
 
 
 def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, reader: PlanReader,

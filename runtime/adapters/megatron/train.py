@@ -35,6 +35,7 @@ from runtime.adapters.megatron import mcore, patches
 from runtime.adapters.megatron.batch import Batch, PlanBatches
 from runtime.adapters.megatron.binding import bind_cp_group
 from runtime.adapters.megatron.ddp import PoolGradSync
+from runtime.adapters.megatron.evaluate import MegatronEvaluator
 from runtime.adapters.megatron.groups import MegatronGroups, create_groups
 from runtime.adapters.megatron.loss import loss_func
 from runtime.adapters.megatron.model import (
@@ -48,11 +49,13 @@ from runtime.data.tokens import TokenSource, open_token_source
 from runtime.dist.topology import Topology
 from runtime.train.common import (
     DTYPES,
+    EvalLog,
     StepLog,
     StepLogger,
     TrainConfig,
     TrainResult,
     resolve_device,
+    should_evaluate,
     step_range,
 )
 from runtime.train.model import GPTConfig
@@ -126,6 +129,12 @@ class MegatronTrainer:
         self.p2p = (patches.TaggedP2PCommunicator(pgc.pp, self.config) if self.par.pp > 1
                     else None)
         self.rank = dist.get_rank()
+        self.evaluator: MegatronEvaluator | None = None
+        if cfg.eval_plan:
+            self.evaluator = MegatronEvaluator(cfg, reader, groups, num_chunks=len(self.chunks),
+                                               device=self.device,
+                                               vocab_size=model_config.vocab_size)
+            self._owned.append(self.evaluator)
 
     def forward_step(self, data_iterator: Any, model: nn.Module) -> tuple[Any, Any]:
         """Megatron's ``forward_step_func``: one microbatch through one model chunk."""
@@ -149,15 +158,7 @@ class MegatronTrainer:
         for c in self.chunks:
             c.zero_grad_buffer()
         num_microbatches = self.batches.num_microbatches(step)
-        kwargs: dict[str, Any] = {"pg_collection": self.groups.pg_collection}
-        if self.p2p is not None:
-            kwargs["p2p_communicator"] = self.p2p
-        reports = self.schedule(
-            forward_step_func=self.forward_step, data_iterator=self.batches.data_iterator(step),
-            model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
-            num_microbatches=num_microbatches,
-            seq_length=self.reader.header.capacity_tokens_per_rank, micro_batch_size=1,
-            forward_only=False, **kwargs)
+        reports = self.run_schedule(self.batches.data_iterator(step), num_microbatches, False)
         self.optimizer.step()
         loss_sum, count = self._step_loss(reports)
         if self.device.type == "cuda":
@@ -166,6 +167,28 @@ class MegatronTrainer:
         return StepLog(step=step, loss=loss_sum / max(count, 1.0), tokens=tokens,
                        loss_tokens=int(count), microbatches=num_microbatches,
                        seconds=time.perf_counter() - t0)
+
+    def run_schedule(self, data_iterator: Any, num_microbatches: int, forward_only: bool
+                     ) -> list[dict[str, torch.Tensor]]:
+        """Megatron's schedule over ``num_microbatches`` microbatches; the last stage's
+        ``"lm loss"`` reports (empty elsewhere)."""
+        kwargs: dict[str, Any] = {"pg_collection": self.groups.pg_collection}
+        if self.p2p is not None:
+            kwargs["p2p_communicator"] = self.p2p
+        reports: list[dict[str, torch.Tensor]] = self.schedule(
+            forward_step_func=self.forward_step, data_iterator=data_iterator,
+            model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+            num_microbatches=num_microbatches,
+            seq_length=self.reader.header.capacity_tokens_per_rank, micro_batch_size=1,
+            forward_only=forward_only, **kwargs)
+        return reports
+
+    def evaluate(self, at_step: int) -> EvalLog:
+        """Run the eval plan through the forward-only schedule (collective); its record."""
+        if self.evaluator is None:
+            raise ValueError("no eval plan: pass --eval-plan and --eval-dataset")
+        return self.evaluator.run(list(self.chunks), at_step, self.run_schedule,
+                                  self._step_loss)
 
     def _step_loss(self, reports: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
         """(loss sum, loss tokens) of the whole step, on every rank: summed over the last
@@ -213,6 +236,10 @@ class MegatronTrainer:
                 log = self.step(step)
                 result.logs.append(log)
                 logger.write(log)
+                if self.evaluator is not None and should_evaluate(self.cfg, step, steps[-1]):
+                    ev = self.evaluate(step + 1)
+                    result.evals.append(ev)
+                    logger.write(ev)
         finally:
             logger.close()
         return result

@@ -57,6 +57,17 @@ def plan(path: Path, data: Path, *, capacity: int, batch: int, **parallel: Any) 
     return write_plan(path, made.header, made.record_batches())
 
 
+def eval_set(tmp: Path, *, capacity: int = 32, batch: int = 8, long: int = 2,
+             **parallel: Any) -> dict[str, str]:
+    """A held-out dataset and its eval plan (``kind: eval``), as ``TrainConfig`` fields."""
+    data = write_dataset(tmp / "eval.arrow", lengths(5, short=20, medium=5, long=long), 64, seed=9)
+    config = PlannerConfig(parallel=ParallelConfig(**parallel), capacity_tokens_per_rank=capacity,
+                           global_batch_size=batch, kind="eval")
+    made = make_plan(read_lengths(data), config, load_cost_model("default"))
+    path = write_plan(tmp / "eval-plan.arrow", made.header, made.record_batches())
+    return {"eval_plan": str(path), "eval_dataset": str(data)}
+
+
 def cfg(plan_path: Path, data: Path, **kw: Any) -> TrainConfig:
     return TrainConfig(plan=str(plan_path), dataset=str(data), steps=STEPS, seed=7, lr=3e-3,
                        quiet=True, **kw)
@@ -73,8 +84,8 @@ def train_rank(rank: int, world_size: int, store: str, config: TrainConfig,
     try:
         result = trainer.run()
         t = trainer.topology
-        return {"logs": result.logs, "state": trainer.state(), "tp": t.tp, "tp_rank": t.tp_rank,
-                "pool_rank": t.pool_rank}
+        return {"logs": result.logs, "evals": result.evals, "state": trainer.state(),
+                "tp": t.tp, "tp_rank": t.tp_rank, "pool_rank": t.pool_rank}
     finally:
         trainer.close()
 

@@ -24,6 +24,7 @@ from tests.runtime.adapters.megatron.harness import (
     assert_same_losses,
     assert_same_params,
     cfg,
+    eval_set,
     lengths,
     oracle_rank,
     plan,
@@ -35,9 +36,9 @@ from tests.runtime.adapters.megatron.harness import (
 pytestmark = pytest.mark.dist
 
 
-def _cp_sizes(path: Path) -> set[int]:
+def _cp_sizes(path: Path, steps: int = STEPS) -> set[int]:
     reader = PlanReader(path)
-    return {int(k) for i in range(STEPS) for k in reader.step(i).group_cp_size}
+    return {int(k) for i in range(steps) for k in reader.step(i).group_cp_size}
 
 
 def _check(config: TrainConfig, world: int, model: GPTConfig = MODEL) -> None:
@@ -45,6 +46,16 @@ def _check(config: TrainConfig, world: int, model: GPTConfig = MODEL) -> None:
     (ref,) = run_distributed(oracle_rank, 1, config, model, timeout=300)
     assert_same_losses(ranks[0]["logs"], ref.logs)
     assert_same_params(unshard(ranks), ref.state)
+    if config.eval_plan:  # evaluations through the forward-only schedule, on every rank
+        want_at = [k for k in range(1, STEPS + 1)
+                   if k == STEPS or (config.eval_interval and k % config.eval_interval == 0)]
+        assert [e.eval_at_step for e in ref.evals] == want_at
+        for r in ranks:
+            assert [e.eval_at_step for e in r["evals"]] == want_at
+            for g, w in zip(r["evals"], ref.evals, strict=True):
+                assert g.eval_tokens == w.eval_tokens > 0
+                assert g.eval_microbatches > 0
+                assert abs(g.eval_loss - w.eval_loss) <= 1e-5 * abs(w.eval_loss), (g, w)
 
 
 def _cli_oracle(rank: int, world_size: int, store: str, argv: list[str]) -> int:
@@ -59,7 +70,9 @@ def test_dp2_cp2_with_cp_1_2_4(tmp_path: Path) -> None:
     p = plan(tmp_path / "plan.arrow", data, capacity=32, batch=12, dp=2, cp=2)
     assert _cp_sizes(p) == {1, 2, 4}
     log = tmp_path / "megatron.jsonl"
-    _check(cfg(p, data, log_jsonl=str(log)), 4)
+    ev = eval_set(tmp_path, dp=2, cp=2)
+    assert _cp_sizes(Path(ev["eval_plan"]), 1) == {1, 2, 4}
+    _check(cfg(p, data, log_jsonl=str(log), eval_interval=2, **ev), 4)
     # The CLI's oracle writes the same JSON lines as the distributed run (and the native run).
     ref_log = tmp_path / "oracle.jsonl"
     argv = ["--plan", str(p), "--dataset", str(data), "--steps", str(STEPS), "--seed", "7",
@@ -67,7 +80,7 @@ def test_dp2_cp2_with_cp_1_2_4(tmp_path: Path) -> None:
             "--log-jsonl", str(ref_log), "--vocab-size", "64", "--hidden-size", "32",
             "--heads", "4", "--query-groups", "2", "--layers", "2"]
     assert run_distributed(_cli_oracle, 1, argv, backend=None, timeout=300) == [0]
-    got = [json.loads(x) for x in log.read_text().splitlines()]
+    got = [json.loads(x) for x in log.read_text().splitlines() if '"step"' in x]
     want = [json.loads(x) for x in ref_log.read_text().splitlines()]
     assert [g.keys() for g in got] == [w.keys() for w in want]
     assert {"step", "loss", "tokens", "loss_tokens", "microbatches", "seconds",
@@ -87,7 +100,8 @@ def _plan_pool2(tmp: Path, **parallel: object) -> tuple[Path, Path]:
 
 def test_pp2_pool2_through_1f1b(tmp_path: Path) -> None:
     p, data = _plan_pool2(tmp_path, dp=1, cp=2, pp=2)
-    _check(cfg(p, data), 4)
+    ev = eval_set(tmp_path, dp=1, cp=2, pp=2, long=0)
+    _check(cfg(p, data, **ev), 4)
 
 
 def test_tp2_sequence_parallel_pool2(tmp_path: Path) -> None:

@@ -1,0 +1,215 @@
+"""Megatron-core's schedules replaying plans on H200s: bf16 loss parity (1 GPU), dynamic vs static
+CP and 1F1B over NCCL (2 GPUs).
+
+Two phases, as ``bench/torchtitan_gpu.py`` (whose helpers this script reuses; the dataset and the
+dp 1 x cp 2 plans come from ``bench/train_compare.py``'s ``prepare``):
+
+``prepare`` (CPU machine, PyPI reachable) writes into DIR (default ``out/megatron_gpu``, ignored
+by git; carry it, about 15 MB): ``dataset.arrow``, ``dynamic.arrow`` (CP sizes 1 and 2),
+``static.arrow`` (CP 2 only), ``single.arrow`` (a pool of one GPU, the same global batches),
+``pp2.arrow`` (the same batches for pp 2 x pool 1) and ``wheels/``: the megatron-core 0.16.1
+wheel for cp312 (2.6 MB; its other needs, numpy, packaging and torch, are in the GPU image;
+triton is not imported by the paths used). Transformer Engine comes from ``shared/gpu-wheels``
+(its README: ``install-te.sh``); without it the runs fall back to ``--attention reference``
+(this project's all-gather attention behind Megatron's spec, slow but exact).
+
+``run --gpus 1``: ``dcp-train --framework megatron --device cuda --attention te --dtype bf16`` on
+``single.arrow`` (Megatron's TE layer spec, ``TEDotProductAttention`` in THD), then the Megatron
+oracle in fp32 on the CPU (same GPTModel shape and initial weights, every segment alone), and the
+largest per-step relative loss difference (bf16 tolerance 2e-2).
+
+``run --gpus 2``: ``torchrun --nproc-per-node 2 -m runtime.train --framework megatron`` for the
+dynamic and the static plan (same samples in every step), an 8-layer hidden-2048 GQA model in
+bf16: median step time and tokens/s after ``--warmup`` steps, speed-up of dynamic over static;
+then ``pp2.arrow`` through Megatron's 1F1B schedule over NCCL (variable THD lengths between the
+two stages), its losses against the 1-GPU-shaped run of the same batches.
+
+Commands::
+
+    .venv/bin/python bench/megatron_gpu.py prepare
+    # GPU machine, carry ["out/megatron_gpu"]; install TE first (shared/gpu-wheels/README.md):
+    python3 bench/megatron_gpu.py run --gpus 1 --out $OUT
+    python3 bench/megatron_gpu.py run --gpus 2 --out $OUT
+    # the orchestration on this CPU machine (gloo, tiny model, reference attention; ~3 min):
+    .venv/bin/python bench/megatron_gpu.py prepare --dir /tmp/mg --samples 60 --capacity 256 \\
+        --global-batch-tokens 2048 --no-wheels
+    .venv/bin/python bench/megatron_gpu.py run --smoke --gpus 2 --dir /tmp/mg --out /tmp/mgo
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.torchtitan_gpu import _launch, _median, _read, _te_importable  # noqa: E402
+
+DEFAULT_DIR = ROOT / "out" / "megatron_gpu"
+WHEELS = ["megatron-core==0.16.1"]
+BIG = ["--layers", "8", "--hidden-size", "2048", "--heads", "16", "--query-groups", "4",
+       "--ffn-hidden-size", "8192", "--vocab-size", "32000", "--dtype", "bf16"]
+PARITY = ["--layers", "2", "--hidden-size", "256", "--heads", "8", "--query-groups", "2",
+          "--vocab-size", "32000"]
+SMOKE = ["--layers", "2", "--hidden-size", "32", "--heads", "4", "--query-groups", "2",
+         "--vocab-size", "32000"]
+BF16_TOL = 2e-2
+
+
+def prepare(args: argparse.Namespace) -> int:
+    from bench.train_compare import prepare as prepare_plans
+    from planner.cli import main as dcp_plan
+
+    rc = prepare_plans(args)
+    if rc:
+        return rc
+    out = Path(args.dir)
+    common = [str(out / "dataset.arrow"), "--global-batch-tokens", str(args.global_batch_tokens),
+              "--seed", str(args.seed), "--cost-model", args.cost_model]
+    # The same global batches on one GPU, and on two pipeline stages of one pool rank (a rank
+    # holds up to 2 C tokens per microbatch, so no sample is split).
+    for name, par in (("single", ["--dp", "1", "--cp", "1"]),
+                      ("pp2", ["--dp", "1", "--cp", "1", "--pp", "2"])):
+        rc = dcp_plan(common + par + ["--max-tokens-per-rank", str(2 * args.capacity),
+                                      "-o", str(out / f"{name}.arrow")])
+        if rc:
+            return rc
+    if args.no_wheels:
+        return 0
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+           "--python-version", "3.12", "--platform", "manylinux_2_28_x86_64",
+           "-d", str(out / "wheels"), *WHEELS]
+    return subprocess.run(cmd).returncode
+
+
+def _ensure_megatron(src: Path) -> None:
+    if importlib.util.find_spec("megatron.core") is not None:
+        return
+    wheels = sorted(str(p) for p in (src / "wheels").glob("megatron_core-*.whl"))
+    if not wheels:
+        raise SystemExit(f"megatron-core is not installed and {src}/wheels has no wheel: run "
+                         "prepare on the CPU machine and carry its directory")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                    *wheels], check=True)
+
+
+def _attention(args: argparse.Namespace) -> str:
+    if args.smoke:
+        return "reference"
+    if _te_importable():
+        return "te"
+    print("Transformer Engine not importable: --attention reference", flush=True)
+    return "reference"
+
+
+def _rel_diffs(got: list[dict[str, float]], want: list[dict[str, float]]) -> list[float]:
+    ref = {int(r["step"]): float(r["loss"]) for r in want if "step" in r}
+    return [abs(float(r["loss"]) - ref[int(r["step"])]) / abs(ref[int(r["step"])])
+            for r in got if "step" in r and int(r["step"]) in ref]
+
+
+def run_parity(src: Path, out: Path, args: argparse.Namespace) -> int:
+    attention = _attention(args)
+    common = ["--framework", "megatron", "--plan", str(src / "single.arrow"), "--dataset",
+              str(src / "dataset.arrow"), "--steps", str(args.steps), "--lr", str(args.lr),
+              *(SMOKE if args.smoke else PARITY)]
+    device = ["--device", "cpu"] if args.smoke else ["--device", "cuda", "--dtype", "bf16"]
+    rc_gpu = _launch(common + device + ["--attention", attention], 1, out / "parity_gpu.jsonl",
+                     out / "parity_gpu.txt", args.timeout)
+    rc_ref = _launch(common + ["--reference", "--device", "cpu"], 0, out / "parity_ref.jsonl",
+                     out / "parity_ref.txt", args.timeout)
+    gpu, ref = _read(out / "parity_gpu.jsonl"), _read(out / "parity_ref.jsonl")
+    diffs = _rel_diffs(gpu, ref)
+    worst = max(diffs) if diffs else float("nan")
+    row = {"run": f"parity 1 GPU ({attention}, bf16) vs CPU Megatron oracle (fp32)",
+           "status": f"gpu rc={rc_gpu}, oracle rc={rc_ref}", "steps": len(gpu),
+           "max_rel_loss_diff": worst,
+           "median_tokens_per_s": _median(gpu, "tokens_per_s", args.warmup),
+           "losses_gpu": [r["loss"] for r in gpu], "losses_oracle": [r["loss"] for r in ref]}
+    (out / "parity.json").write_text(json.dumps(row, indent=1))
+    print(json.dumps(row, indent=1))
+    ok = rc_gpu == 0 and rc_ref == 0 and len(diffs) == args.steps and worst <= BF16_TOL
+    print(f"parity: {'PASS' if ok else 'FAIL'} (max relative loss difference {worst:.3g}, "
+          f"tolerance {BF16_TOL})")
+    return 0 if ok else 1
+
+
+def run_compare(src: Path, out: Path, args: argparse.Namespace) -> int:
+    attention = _attention(args)
+    shape = SMOKE if args.smoke else BIG
+    device = "cpu" if args.smoke else "cuda"
+    rows = []
+    for plan in ("dynamic", "static", "pp2"):
+        argv = ["--framework", "megatron", "--plan", str(src / f"{plan}.arrow"), "--dataset",
+                str(src / "dataset.arrow"), "--device", device, "--attention", attention,
+                "--steps", str(args.steps), "--lr", str(args.lr), *shape]
+        rc = _launch(argv, 2, out / f"{plan}.jsonl", out / f"{plan}.txt", args.timeout)
+        recs = _read(out / f"{plan}.jsonl")
+        rows.append({"plan": plan, "attention": attention, "status": f"rc={rc}",
+                     "steps": len(recs),
+                     "microbatches": statistics.mean(r["microbatches"] for r in recs)
+                     if recs else 0,
+                     "median_step_s": _median(recs, "seconds", args.warmup),
+                     "median_tokens_per_s": _median(recs, "tokens_per_s", args.warmup),
+                     "losses": [r["loss"] for r in recs]})
+        print(f"{plan}: rc={rc} steps={len(recs)}", flush=True)
+    static = rows[1]
+    for r in rows:
+        r["speedup_vs_static"] = float(static["median_step_s"]) / float(r["median_step_s"])
+        r["max_rel_loss_diff_vs_static"] = max(
+            (abs(a - b) / abs(b) for a, b in zip(r["losses"], static["losses"], strict=False)),
+            default=float("nan"))
+    (out / "compare.json").write_text(json.dumps(rows, indent=1))
+    head = ("plan", "attention", "status", "steps", "microbatches", "median_step_s",
+            "median_tokens_per_s", "speedup_vs_static", "max_rel_loss_diff_vs_static")
+    print("\n" + " | ".join(head))
+    for r in rows:
+        print(" | ".join(f"{r[h]:.4g}" if isinstance(r[h], float) else str(r[h]) for h in head))
+    return 0 if all(r["status"] == "rc=0" for r in rows) else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    src = Path(args.dir)
+    out = Path(args.out or os.environ.get("OUT", "out/megatron_gpu_logs"))
+    out.mkdir(parents=True, exist_ok=True)
+    _ensure_megatron(src)
+    return run_parity(src, out, args) if args.gpus == 1 else run_compare(src, out, args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pp = sub.add_parser("prepare", help="dataset, plans and the megatron-core wheel (CPU)")
+    pp.add_argument("--dir", default=str(DEFAULT_DIR), help="output directory")
+    pp.add_argument("--workload", choices=("wikipedia", "all-long"), default="wikipedia",
+                    help="long-tail Wikipedia lengths, or the all-long guard")
+    pp.add_argument("--samples", type=int, default=2500, help="documents (wikipedia)")
+    pp.add_argument("--num-tokens", type=int, default=2_400_000, help="tokens (all-long)")
+    pp.add_argument("--cost-model", default="small-2048-h200", help="dynamic plan's cost model")
+    pp.add_argument("--capacity", type=int, default=16384, help="tokens per rank (C)")
+    pp.add_argument("--global-batch-tokens", type=int, default=131072, help="tokens per step")
+    pp.add_argument("--seed", type=int, default=0, help="workload and plan seed")
+    pp.add_argument("--no-wheels", action="store_true", help="skip downloading the wheel")
+    pr = sub.add_parser("run", help="parity (--gpus 1) or dynamic vs static + pp2 (--gpus 2)")
+    pr.add_argument("--dir", default=str(DEFAULT_DIR), help="what prepare wrote")
+    pr.add_argument("--out", default="", help="log directory (default $OUT)")
+    pr.add_argument("--gpus", type=int, choices=(1, 2), required=True, help="GPUs of the machine")
+    pr.add_argument("--steps", type=int, default=8, help="steps per run")
+    pr.add_argument("--warmup", type=int, default=2, help="steps left out of the timings")
+    pr.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+    pr.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate")
+    pr.add_argument("--smoke", action="store_true",
+                    help="CPU, gloo, tiny model, reference attention: checks the script only")
+    args = p.parse_args(argv)
+    return prepare(args) if args.cmd == "prepare" else run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
