@@ -1,4 +1,4 @@
-"""torchtitan's trainer replaying plans on H200s: bf16 loss parity (1 GPU), dynamic vs static CP (2).
+"""torchtitan's trainer replaying plans on H200s: bf16 parity (1 GPU), dynamic vs static CP (2).
 
 Two phases, as ``bench/train_compare.py`` (whose ``prepare`` makes the dataset and the dp 1 x cp 2
 plans):
@@ -17,8 +17,10 @@ largest per-step relative loss difference (bf16 tolerance: 2e-2).
 
 ``run --gpus 2`` (2-GPU machine): ``torchrun --nproc-per-node 2 -m runtime.train --framework
 torchtitan`` for the dynamic and the static plan (same samples in every step), attention torch
-(and te when Transformer Engine is importable), an 8-layer hidden-2048 GQA llama3 in bf16;
-median step time and tokens/s after ``--warmup`` steps, speed-up of dynamic over static.
+(and te when Transformer Engine is importable), an 8-layer hidden-2048 GQA llama3 in bf16; then
+torchtitan's *own* static CP on the same global batches (``bench/torchtitan_static_cp.py``:
+``context_parallel_degree=2``, FlexAttention with the document mask, the stock trainer, the same
+weights); median step time and tokens/s after ``--warmup`` steps, speed-ups over both.
 
 Commands::
 
@@ -101,12 +103,13 @@ def _te_importable() -> bool:
                           capture_output=True).returncode == 0
 
 
-def _launch(argv: list[str], nproc: int, log: Path, stdout: Path, timeout: float) -> int:
+def _launch(argv: list[str], nproc: int, log: Path, stdout: Path, timeout: float,
+            module: str = "runtime.train") -> int:
     if nproc > 0:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-               str(nproc), "-m", "runtime.train", *argv]
+               str(nproc), "-m", module, *argv]
     else:  # one plain process (the oracle)
-        cmd = [sys.executable, "-m", "runtime.train", *argv]
+        cmd = [sys.executable, "-m", module, *argv]
     cmd += ["--log-jsonl", str(log), "--quiet"]
     log.unlink(missing_ok=True)
     with open(stdout, "w") as f:
@@ -169,33 +172,50 @@ def run_compare(src: Path, out: Path, args: argparse.Namespace) -> int:
         print("Transformer Engine not importable: skipping the te runs", flush=True)
         attentions.remove("te")
     rows = []
+
+    def add(name: str, plan: str, attention: str, argv: list[str], module: str) -> None:
+        rc = _launch(argv, 2, out / f"{name}.jsonl", out / f"{name}.txt", args.timeout, module)
+        recs = _read(out / f"{name}.jsonl")
+        rows.append({"plan": plan, "attention": attention, "status": f"rc={rc}",
+                     "steps": len(recs),
+                     "microbatches": statistics.mean(r["microbatches"] for r in recs)
+                     if recs else 0,
+                     "median_step_s": _median(recs, "seconds", args.warmup),
+                     "median_tokens_per_s": _median(recs, "tokens_per_s", args.warmup),
+                     "losses": [r["loss"] for r in recs]})
+        print(f"{name}: rc={rc} steps={len(recs)}", flush=True)
+
+    model = SMOKE if args.smoke else BIG
+    device = ["--device", "cpu" if args.smoke else "cuda"]
     for attention in attentions:
         for plan in ("dynamic", "static"):
-            name = f"{plan}_{attention}"
             argv = ["--framework", "torchtitan", "--plan", str(src / f"{plan}.arrow"),
-                    "--dataset", data, "--device", "cpu" if args.smoke else "cuda",
-                    "--attention", attention, "--steps", str(args.steps), "--lr", str(args.lr),
-                    *(SMOKE if args.smoke else BIG)]
-            rc = _launch(argv, 2, out / f"{name}.jsonl", out / f"{name}.txt", args.timeout)
-            recs = _read(out / f"{name}.jsonl")
-            rows.append({"plan": plan, "attention": attention, "status": f"rc={rc}",
-                         "steps": len(recs),
-                         "microbatches": statistics.mean(r["microbatches"] for r in recs)
-                         if recs else 0,
-                         "median_step_s": _median(recs, "seconds", args.warmup),
-                         "median_tokens_per_s": _median(recs, "tokens_per_s", args.warmup),
-                         "losses": [r["loss"] for r in recs]})
-            print(f"{name}: rc={rc} steps={len(recs)}", flush=True)
+                    "--dataset", data, *device, "--attention", attention,
+                    "--steps", str(args.steps), "--lr", str(args.lr), *model]
+            add(f"{plan}_{attention}", plan, attention, argv, "runtime.train")
+    # torchtitan's own CP (fixed cp=2, FlexAttention with the document mask) on the same
+    # global batches. On CPU (--smoke) torchtitan's CP cannot run (no CPU sharding rule for
+    # SDPA, no Flex backward): the smoke run checks the packing and the loop with cp=1.
+    titan = (["--cp", "1", "--inner", "sdpa"] if args.smoke else ["--cp", "2", "--inner", "flex"])
+    add("titan_cp", "titan-cp", "flex" if not args.smoke else "sdpa",
+        [*titan, "--plan", str(src / "static.arrow"), "--dataset", data, *device,
+         "--steps", str(args.steps), "--lr", str(args.lr), *model], "bench.torchtitan_static_cp")
+    titan_row = rows[-1]
     for r in rows:
-        static = next(s for s in rows if s["plan"] == "static"
-                      and s["attention"] == r["attention"])
+        # titan-cp is compared with the first static-plan row (its attention differs).
+        static = next((s for s in rows if s["plan"] == "static"
+                       and s["attention"] == r["attention"]),
+                      next(s for s in rows if s["plan"] == "static"))
         r["speedup_vs_static"] = float(static["median_step_s"]) / float(r["median_step_s"])
+        r["speedup_vs_titan_cp"] = (float(titan_row["median_step_s"])
+                                    / float(r["median_step_s"]))
         r["max_loss_diff_vs_static"] = max(
             (abs(a - b) for a, b in zip(r["losses"], static["losses"], strict=False)),
             default=float("nan"))
     (out / "compare.json").write_text(json.dumps(rows, indent=1))
     head = ("plan", "attention", "status", "steps", "microbatches", "median_step_s",
-            "median_tokens_per_s", "speedup_vs_static", "max_loss_diff_vs_static")
+            "median_tokens_per_s", "speedup_vs_static", "speedup_vs_titan_cp",
+            "max_loss_diff_vs_static")
     print("\n" + " | ".join(head))
     for r in rows:
         print(" | ".join(f"{r[h]:.4g}" if isinstance(r[h], float) else str(r[h]) for h in head))

@@ -86,6 +86,25 @@ class PlanTokenizer(BaseTokenizer):
         return self.vocab_size
 
 
+def _check_job(reader: PlanReader, dp_world_size: int, dp_rank: int) -> Topology:
+    """This rank's topology; ValueError unless torchtitan's data-parallel world is the pool."""
+    path, parallel = reader.path, reader.header.parallel
+    if parallel.tp > 1 or parallel.pp > 1:
+        raise ValueError(f"{path}: plan uses tp={parallel.tp}, pp={parallel.pp}; the torchtitan "
+                         "adapter supports the dp x cp pool only")
+    if dp_world_size != parallel.pool_size:
+        raise ValueError(
+            f"{path}: plan built for a pool of {parallel.pool_size} ranks, torchtitan's "
+            f"data-parallel world is {dp_world_size}: use parallelism."
+            "data_parallel_shard_degree=-1 and context_parallel_degree=1 (the plan does CP)")
+    topology = Topology.from_header(parallel, rank=dist.get_rank(),
+                                    world_size=dist.get_world_size())
+    if topology.pool_rank != dp_rank:
+        raise ValueError(f"torchtitan's data-parallel rank {dp_rank} is not this rank's pool "
+                         f"rank {topology.pool_rank}")
+    return topology
+
+
 class PlanDataLoader(BaseDataLoader):
     """Replays a plan's microbatches for this rank (see the module docstring)."""
 
@@ -110,26 +129,18 @@ class PlanDataLoader(BaseDataLoader):
         self.config = config
         self.reader = PlanReader(config.plan)
         self.source = open_token_source(config.dataset)
-        self.lengths = self.source.lengths()
-        self.reader.check_dataset(self.lengths)
-        parallel = self.reader.header.parallel
-        if parallel.tp > 1 or parallel.pp > 1:
-            raise ValueError(f"{config.plan}: plan uses tp={parallel.tp}, pp={parallel.pp}; the "
-                             "torchtitan adapter supports the dp x cp pool only")
-        if dp_world_size != parallel.pool_size:
-            raise ValueError(
-                f"{config.plan}: plan built for a pool of {parallel.pool_size} ranks, torchtitan's "
-                f"data-parallel world is {dp_world_size}: use parallelism."
-                "data_parallel_shard_degree=-1 and context_parallel_degree=1 (the plan does CP)")
-        self.topology = Topology.from_header(parallel, rank=dist.get_rank(),
-                                             world_size=dist.get_world_size())
-        if self.topology.pool_rank != dp_rank:
-            raise ValueError(f"torchtitan's data-parallel rank {dp_rank} is not this rank's pool "
-                             f"rank {self.topology.pool_rank}")
-        # Collective: every rank creates every group of the plan, in catalog order.
-        self.catalog = catalog or GroupCatalog.create(self.topology, self.reader.header.cp_sizes)
-        self.replayer = Replayer(self.reader, self.source, self.topology, self.catalog,
-                                 check_dataset=False)  # checked above
+        try:
+            self.lengths = self.source.lengths()
+            self.reader.check_dataset(self.lengths)
+            self.topology = _check_job(self.reader, dp_world_size, dp_rank)
+            # Collective: every rank creates every group of the plan, in catalog order.
+            self.catalog = catalog or GroupCatalog.create(self.topology,
+                                                          self.reader.header.cp_sizes)
+            self.replayer = Replayer(self.reader, self.source, self.topology, self.catalog,
+                                     check_dataset=False)  # checked above
+        except BaseException:
+            self.close()  # nothing left open after a refusal
+            raise
         self.digest = plan_digest(self.reader)
         self.next_step = 0
 

@@ -63,6 +63,7 @@ with warnings.catch_warnings():
     from torchtitan.components.validate import Validator
     from torchtitan.config import ParallelismConfig, TrainingConfig
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
     from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
     from torchtitan.models.llama3 import Llama3Model, parallelize_llama
     from torchtitan.models.llama3.model import Llama3TransformerBlock
@@ -174,6 +175,7 @@ __all__ = [
     "ComplexRoPE",
     "CrossEntropyLoss",
     "Embedding",
+    "FlexAttention",
     "LRSchedulersContainer",
     "Linear",
     "Llama3Model",
@@ -183,6 +185,7 @@ __all__ = [
     "Module",
     "ParallelismConfig",
     "RMSNorm",
+    "ScaledDotProductAttention",
     "Trainer",
     "TrainingConfig",
     "Validator",

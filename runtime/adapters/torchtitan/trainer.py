@@ -73,6 +73,21 @@ def _canonical(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
+@torch.no_grad()
+def copy_seeded_weights(model: torch.nn.Module, model_config: Any, seed: int) -> None:
+    """Overwrite ``model``'s (FSDP-sharded or plain) parameters with the matching slices of one
+    full CPU llama3 built from ``model_config`` and initialised from ``seed``, on every rank."""
+    full = dict(build_llama3(model_config, seed=seed).named_parameters())
+    for name, p in model.named_parameters():
+        src = full[_canonical(name)].detach().to(device=p.device, dtype=p.dtype)
+        if isinstance(p, DTensor):
+            # src_data_rank=None: every rank holds the full tensor, so no scatter is needed.
+            shard = distribute_tensor(src, p.device_mesh, p.placements, src_data_rank=None)
+            p.to_local().copy_(shard.to_local())
+        else:
+            p.copy_(src)
+
+
 class PlanTrainer(Trainer):
     """torchtitan's trainer over a plan (see the module docstring)."""
 
@@ -125,18 +140,9 @@ class PlanTrainer(Trainer):
             self.validator.attach(self.dataloader, backend_for, self.device,
                                   self.step_logger.write)
 
-    @torch.no_grad()
     def load_seeded_weights(self, seed: int) -> None:
         """Every rank copies its shard of one full CPU model initialised from ``seed``."""
-        full = dict(build_llama3(self.model_config, seed=seed).named_parameters())
-        for name, p in self.model_parts[0].named_parameters():
-            src = full[_canonical(name)].detach().to(device=p.device, dtype=p.dtype)
-            if isinstance(p, DTensor):
-                # src_data_rank=None: every rank holds the full tensor, so no scatter is needed.
-                shard = distribute_tensor(src, p.device_mesh, p.placements, src_data_rank=None)
-                p.to_local().copy_(shard.to_local())
-            else:
-                p.copy_(src)
+        copy_seeded_weights(self.model_parts[0], self.model_config, seed)
 
     # -- torchtitan hooks --------------------------------------------------------------------
 

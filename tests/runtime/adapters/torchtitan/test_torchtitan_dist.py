@@ -4,9 +4,10 @@ One spawn of 4 ranks (pool dp 2 x cp 2, FSDP over all 4) runs, against the real 
 package: the planner-made zigzag plan using CP groups of 1, 2 and 4 for 3 steps; the same plan
 saved after step 2 through torchtitan's checkpointer and resumed for step 3; a resume of that
 checkpoint with another plan (refused); evaluation of an eval plan (CP 1/2/4) through
-torchtitan's validation hook after steps 2 and 3. The oracle (``--reference --framework torchtitan``: the
-same llama3 and weights, every segment alone, no CP, no FSDP) runs in the test process. fp32:
-per-step losses, the last step's gradients and the final parameters agree to 1e-5 relative.
+torchtitan's validation hook after steps 2 and 3. The oracle (``--reference --framework
+torchtitan``: the same llama3 and weights, every segment alone, no CP, no FSDP) runs in the test
+process. fp32: per-step losses, the last step's gradients, the final parameters and the
+evaluations agree to 1e-5 relative.
 """
 
 from __future__ import annotations
@@ -206,3 +207,17 @@ def test_cli_refuses_a_save_directory_that_holds_checkpoints(
     assert checkpoint_config(replace(cfg, resume=cfg.save)).folder == cfg.save
     with pytest.raises(ValueError, match="no complete torchtitan checkpoint"):
         checkpoint_config(replace(cfg, save="", resume=str(world[0])))
+
+
+def test_data_loader_refuses_a_job_the_plan_was_not_made_for(
+        world: tuple[Path, dict[str, Any]]) -> None:
+    from runtime.adapters.torchtitan import PlanDataLoader
+
+    cfg = _cfg(world[0])
+    config = PlanDataLoader.Config(plan=cfg.plan, dataset=cfg.dataset)
+    with pytest.raises(ValueError, match="pool of 4 ranks, torchtitan's data-parallel world is 2"):
+        PlanDataLoader(config, dp_world_size=2, dp_rank=0)
+    with pytest.raises(ValueError, match="local_batch_size must be 1"):
+        PlanDataLoader(config, dp_world_size=4, dp_rank=0, local_batch_size=8)
+    with pytest.raises(ValueError, match="needs plan= and dataset="):
+        PlanDataLoader(PlanDataLoader.Config(plan=cfg.plan), dp_world_size=4, dp_rank=0)
