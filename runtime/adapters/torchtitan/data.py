@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -114,6 +114,8 @@ class PlanDataLoader(BaseDataLoader):
         """Plan file made by ``dcp-plan`` for this job (pool = the data-parallel world)."""
         vocab_size: int = 0
         """When > 0, token ids must be below it (a clear error names step and samples)."""
+        datasets: list[str] = field(default_factory=list)
+        """Several dataset items in order (files, directories, globs); empty: ``dataset``."""
         # ``dataset`` (inherited): the dataset the plan was made for.
 
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int,
@@ -121,14 +123,14 @@ class PlanDataLoader(BaseDataLoader):
                  local_batch_size: int = 1, snapshot_every_n_steps: int | None = None,
                  catalog: GroupCatalog | None = None) -> None:
         del tokenizer, seq_len, snapshot_every_n_steps  # the plan fixes the batches
-        if not config.plan or not config.dataset:
+        if not config.plan or not (config.dataset or config.datasets):
             raise ValueError("PlanDataLoader.Config needs plan= and dataset=")
         if local_batch_size != 1:
             raise ValueError(f"training.local_batch_size must be 1 (one packed buffer per "
                              f"microbatch), got {local_batch_size}")
         self.config = config
         self.reader = PlanReader(config.plan)
-        self.source = open_token_source(config.dataset)
+        self.source = open_token_source(config.datasets or config.dataset)
         try:
             self.lengths = self.source.lengths()
             self.reader.check_dataset(self.lengths)

@@ -103,6 +103,12 @@ class PlanTrainer(Trainer):
         """Rank 0 appends one JSON line per step here; empty: stdout only."""
         quiet: bool = False
         """Do not print the JSON lines."""
+        json_summary: bool = False
+        """Print the end-of-run summary as one JSON line on stdout."""
+        summary_json: str = ""
+        """File the end-of-run summary is written to as JSON."""
+        progress: bool = True
+        """A progress bar on stderr when it is a terminal (rank 0)."""
 
     config: Config
     dataloader: PlanDataLoader
@@ -121,9 +127,12 @@ class PlanTrainer(Trainer):
         shape = gpt_shape(self.model_config)
         self.backend = make_backend(config.attention, self.dataloader.reader.layout, shape)
         self._masks: PlanMasks | None = None
+        loader = self.dataloader.config
         self.step_logger = StepLogger(
-            TrainConfig(plan=self.dataloader.config.plan, dataset=self.dataloader.config.dataset,
-                        log_jsonl=config.log_jsonl, quiet=config.quiet),
+            TrainConfig(plan=loader.plan, dataset=loader.dataset, datasets=tuple(loader.datasets),
+                        log_jsonl=config.log_jsonl, quiet=config.quiet,
+                        json=config.json_summary, summary_json=config.summary_json,
+                        progress=config.progress),
             enabled=dist.get_rank() == 0)
         self.logs: list[StepLog] = []
         if config.validator.enable:
@@ -175,6 +184,8 @@ class PlanTrainer(Trainer):
             raise RuntimeError(f"trainer at step {plan_step}, data loader at plan step "
                                f"{self.dataloader.next_step}")
         self.gradient_accumulation_steps = self.dataloader.num_microbatches(plan_step)
+        if not self.logs:
+            self.step_logger.begin(self.config.training.steps - plan_step)
         t0 = time.perf_counter()
         super().train_step(data_iterator)
         if self.device.type == "cuda":
