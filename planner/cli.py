@@ -229,8 +229,9 @@ def cmd_plan(argv: list[str]) -> int:
         parser.error("--data-path weights draw a number of samples per step: use "
                      "--global-batch-size with them, not --global-batch-tokens")
     from planner.cost import load_cost_model
-    from planner.plan import make_plan
-    from planner.planfile.io import write_plan
+    from planner.plan import PlanStream
+    from planner.planfile.io import write_plan_stream
+    from planner.planfile.schema import PlanHeader
     from planner.progress import Progress
     from planner.sources.lengths import read_lengths
     from planner.summary import format_summary, plan_summary
@@ -258,15 +259,23 @@ def cmd_plan(argv: list[str]) -> int:
         table = read_lengths(items, skip_bad_records=args.skip_bad_records, field=args.field,
                              progress=bar)
     t1 = time.perf_counter()
+    planned: list[float] = []
     with Progress("planning", unit="step", enabled=show) as bar:
-        plan = make_plan(table, config, cost, progress=bar)
-    t2 = time.perf_counter()
-    # write_plan validates (with the lengths: coverage to the last token) before anything reaches
-    # the final path: a plan that breaks an invariant is a bug, and the user must never find a
-    # half-right file under the name they asked for.
-    write_plan(out, plan.header, plan.record_batches(), lengths=table.lengths)
+        stream = PlanStream(table, config, cost, progress=bar)
+
+        def header() -> PlanHeader:
+            planned.append(time.perf_counter())
+            return stream.header()
+
+        # Steps stream to a spill file as they are planned (memory independent of the number
+        # of steps); write_plan_stream then validates them (with the lengths: coverage to the
+        # last token) before anything reaches the final path: a plan that breaks an invariant
+        # is a bug, and the user must never find a half-right file under the name they asked
+        # for.
+        write_plan_stream(out, stream.steps(), header, lengths=table.lengths)
     t3 = time.perf_counter()
-    summary = plan_summary(plan.header, out,
+    t2 = planned[0]
+    summary = plan_summary(stream.header(), out,
                            {"read": t1 - t0, "plan": t2 - t1, "validate+write": t3 - t2})
     emit_summary(summary, format_summary(summary), as_json=args.json,
                  json_path=args.summary_json, quiet=args.quiet)

@@ -41,7 +41,7 @@ from planner.planfile.schema import (
     fingerprint_lengths,
     step_batch,
 )
-from planner.planfile.stats import min_padded, plan_stats
+from planner.planfile.stats import StatsAccumulator, min_padded
 from planner.solver.batches import (
     draw_blended_batches,
     draw_global_batches,
@@ -176,9 +176,160 @@ def _blend(files: tuple[DataFile, ...], config: PlannerConfig
         config.blend, config.global_batch_size)
 
 
+class PlanStream:
+    """A plan made step by step: iterate ``steps()`` once (each step's 8 columns, in order,
+    planned when asked for), then ``header()`` (its stats need every step).
+
+    Memory: the segments of every step (O(samples)) and the stats' running sums; no step's rows
+    are kept after it is yielded, so a writer that spills each step holds one step at a time.
+    """
+
+    def __init__(self, table: LengthTable, config: PlannerConfig, cost: CostModel, *,
+                 progress: Callable[[int, int], None] | None = None) -> None:
+        lengths = np.asarray(table.lengths, dtype=np.int64)
+        policy = apply_long_policy(lengths, config)
+        if config.kind == EVAL:
+            # No backward in an evaluation: plan (and score) it with the forward-only cost.
+            cost = cost.forward_only()
+        self.table, self.config, self.cost, self.policy = table, config, cost, policy
+        self.lengths = lengths
+        self.params = PackingParams.from_config(config, cost)
+        eligible = policy.tokens > 0
+        self.files = dataset_files(table)
+        blend = _blend(self.files, config)
+        if blend is not None and config.kind == EVAL:
+            raise ValueError("an eval plan is one pass in file order: it takes no blend weights")
+        self.blend = blend
+        self.blended: list[Any] = []
+        if config.kind == EVAL:
+            draws = [(eval_global_batches(policy.tokens, eligible,
+                                          global_batch_size=config.global_batch_size,
+                                          global_batch_tokens=config.global_batch_tokens),
+                      np.zeros(0, dtype=np.int64))]
+        elif blend is not None:
+            bounds, counts = blend
+            self.blended = [draw_blended_batches(eligible, bounds, counts, seed=config.seed,
+                                                 epoch=e) for e in range(config.epochs)]
+            draws = [(b, np.zeros(0, np.int64)) for b, _ in self.blended]
+        else:
+            draws = [draw_global_batches(policy.tokens, eligible, seed=config.seed, epoch=e,
+                                         global_batch_size=config.global_batch_size,
+                                         global_batch_tokens=config.global_batch_tokens,
+                                         drop_last=config.drop_last)
+                     for e in range(config.epochs)]
+        self.undrawn = [u for _, u in draws]
+        self.jobs, self.epochs = _step_jobs([b for b, _ in draws], policy)
+        self.progress = progress
+        self.stats = StatsAccumulator(config, cost)
+        self.sources: dict[str, int] = {}
+        self._done = False
+
+    @property
+    def num_steps(self) -> int:
+        return self.jobs.num_steps
+
+    def steps(self) -> Iterator[dict[str, NDArray[Any]]]:
+        """Each step's columns, planned on demand (``parallel.plan_steps``)."""
+        jobs, total = self.jobs, self.jobs.num_steps
+        progress = self.progress
+        report = None if progress is None else (lambda done: progress(done, total))
+        for j, out in enumerate(plan_steps(jobs, self.params, self.config.workers, report)):
+            self.sources[out.source] = self.sources.get(out.source, 0) + 1
+            cols: dict[str, NDArray[Any]] = {
+                "step": np.full(len(out.microbatch), j, dtype=np.int32),
+                "microbatch": out.microbatch, "rank_start": out.rank_start,
+                "cp_size": out.cp_size, "sample_index": out.sample_index,
+                "token_offset": out.token_offset, "num_tokens": out.num_tokens,
+                "padded_tokens": out.padded_tokens,
+            }
+            assert tuple(cols) == COLUMN_NAMES
+            self.stats.add(cols, jobs.tokens[jobs.bounds[j]:jobs.bounds[j + 1]],
+                           out.bound_seconds)
+            yield cols
+        self._done = True
+
+    def header(self) -> PlanHeader:
+        """The plan header, once ``steps()`` has been consumed."""
+        if not self._done:
+            raise RuntimeError("PlanStream.header() needs every step: consume steps() first")
+        config, policy, lengths, table = self.config, self.policy, self.lengths, self.table
+        stats = self.stats.result()
+        stats.update({
+            "dropped_samples": policy.dropped.tolist(),
+            "truncated_samples": policy.truncated,
+            "split_samples": np.flatnonzero(policy.split).tolist(),
+            "skipped_bad_records": int(len(table.skipped)),
+            # Steps whose rows came from each candidate (solver/candidates.py), sorted by name.
+            "candidate_steps": dict(sorted(self.sources.items())),
+        })
+        if config.drop_last and self.blend is None:
+            stats["undrawn_samples"] = [np.sort(u).tolist() for u in self.undrawn]
+        global_batch: dict[str, Any] = {"size": config.global_batch_size,
+                                        "tokens": config.global_batch_tokens,
+                                        "drop_last": config.drop_last}
+        if self.blend is not None:
+            global_batch["blend"] = {"weights": list(config.blend),
+                                     "samples_per_step": self.blend[1],
+                                     "drawn_per_epoch": [d for _, d in self.blended]}
+        p = config.parallel
+        return PlanHeader(
+            dataset=DatasetInfo(path=str(table.path), num_samples=len(lengths),
+                                num_tokens=int(lengths[lengths > 0].sum()),
+                                fingerprint=fingerprint_lengths(lengths),
+                                format=str(table.format),
+                                files=[f.to_dict() for f in self.files]),
+            parallel=ParallelInfo(dp=p.dp, cp=p.cp, tp=p.tp, pp=p.pp, vpp=p.vpp,
+                                  sequence_parallel=p.sequence_parallel, pool_size=p.pool_size,
+                                  microbatch_group_size=p.group_size),
+            capacity_tokens_per_rank=config.capacity_tokens_per_rank,
+            cp_sizes=tuple(int(k) for k in config.sizes),
+            layout=config.layout,
+            global_batch=global_batch,
+            seed=config.seed,
+            cost_model=self.cost.to_header(),
+            stats=stats,
+            epochs=tuple(self.epochs),
+            solver=self.params.header(),
+            pad_to_multiple=config.pad_to_multiple,
+            kind=config.kind,
+        )
+
+
+def _step_jobs(draws: list[list[NDArray[np.int64]]], policy: LongPolicyResult
+               ) -> tuple[StepJobs, list[tuple[int, int]]]:
+    """Every step's segments (all epochs, in order) and each epoch's (first step, count)."""
+    parts: list[tuple[NDArray[np.int64], ...]] = []
+    epochs: list[tuple[int, int]] = []
+    num_steps = 0
+    for batches in draws:
+        epochs.append((num_steps, len(batches)))
+        num_steps += len(batches)
+        if not batches:
+            continue
+        sample, offset, tokens, count = _segments(np.concatenate(batches), policy)
+        per_step = np.add.reduceat(count, np.cumsum([0] + [len(b) for b in batches[:-1]]))
+        parts.append((sample, offset, tokens, per_step))
+    if not parts:
+        empty = np.zeros(0, dtype=np.int64)
+        return StepJobs(sample=empty, offset=empty, tokens=empty,
+                        bounds=np.zeros(1, np.int64)), epochs
+    if len(parts) == 1:
+        # One epoch: no concatenation (at 20M samples a copy would add ~0.5 GB to the peak).
+        sample, offset, tokens, per_step = parts[0]
+        return StepJobs(sample=sample, offset=offset, tokens=tokens,
+                        bounds=np.r_[0, np.cumsum(per_step)]), epochs
+    return StepJobs(sample=np.concatenate([q[0] for q in parts]),
+                    offset=np.concatenate([q[1] for q in parts]),
+                    tokens=np.concatenate([q[2] for q in parts]),
+                    bounds=np.r_[0, np.cumsum(np.concatenate([q[3] for q in parts]))]), epochs
+
+
 def make_plan(table: LengthTable, config: PlannerConfig, cost: CostModel, *,
               progress: Callable[[int, int], None] | None = None) -> Plan:
     """Plan every epoch of ``table`` under ``config``; each plan passes ``planfile.validate``.
+
+    Holds every step in memory; ``PlanStream`` with ``planfile.io.write_plan_stream`` writes
+    a plan of any length in memory independent of its number of steps.
 
     Args:
         table: sample lengths in file order (0 for skipped bad records, listed in ``skipped``).
@@ -193,109 +344,6 @@ def make_plan(table: LengthTable, config: PlannerConfig, cost: CostModel, *,
         ValueError: a sample no group holds under ``long_sequences="error"``, or a capacity no
             segment can use.
     """
-    lengths = np.asarray(table.lengths, dtype=np.int64)
-    policy = apply_long_policy(lengths, config)
-    if config.kind == EVAL:
-        # No backward in an evaluation: plan (and score) it with the forward-only cost.
-        cost = cost.forward_only()
-    params = PackingParams.from_config(config, cost)
-    eligible = policy.tokens > 0
-    files = dataset_files(table)
-    blend = _blend(files, config)
-    if blend is not None and config.kind == EVAL:
-        raise ValueError("an eval plan is one pass in file order: it takes no blend weights")
-    if config.kind == EVAL:
-        draws = [(eval_global_batches(policy.tokens, eligible,
-                                      global_batch_size=config.global_batch_size,
-                                      global_batch_tokens=config.global_batch_tokens),
-                  np.zeros(0, dtype=np.int64))]
-    elif blend is not None:
-        bounds, counts = blend
-        blended = [draw_blended_batches(eligible, bounds, counts, seed=config.seed, epoch=e)
-                   for e in range(config.epochs)]
-        draws = [(b, np.zeros(0, np.int64)) for b, _ in blended]
-    else:
-        draws = [draw_global_batches(policy.tokens, eligible, seed=config.seed, epoch=e,
-                                     global_batch_size=config.global_batch_size,
-                                     global_batch_tokens=config.global_batch_tokens,
-                                     drop_last=config.drop_last) for e in range(config.epochs)]
-    total_steps = sum(len(b) for b, _ in draws)
-    parts: list[tuple[NDArray[np.int64], ...]] = []
-    epochs: list[tuple[int, int]] = []
-    num_steps = 0
-    for batches, _ in draws:
-        epochs.append((num_steps, len(batches)))
-        num_steps += len(batches)
-        if not batches:
-            continue
-        sample, offset, tokens, count = _segments(np.concatenate(batches), policy)
-        per_step = np.add.reduceat(count, np.cumsum([0] + [len(b) for b in batches[:-1]]))
-        parts.append((sample, offset, tokens, per_step))
-    if parts:
-        jobs = StepJobs(sample=np.concatenate([q[0] for q in parts]),
-                        offset=np.concatenate([q[1] for q in parts]),
-                        tokens=np.concatenate([q[2] for q in parts]),
-                        bounds=np.r_[0, np.cumsum(np.concatenate([q[3] for q in parts]))])
-    else:
-        empty = np.zeros(0, dtype=np.int64)
-        jobs = StepJobs(sample=empty, offset=empty, tokens=empty, bounds=np.zeros(1, np.int64))
-    assert jobs.num_steps == total_steps
-    report = None if progress is None else (lambda done: progress(done, total_steps))
-    steps: list[dict[str, NDArray[Any]]] = []
-    step_segments: list[NDArray[np.int64]] = []
-    tight: list[float] = []
-    sources: dict[str, int] = {}
-    for j, out in enumerate(plan_steps(jobs, params, config.workers, report)):
-        tight.append(out.bound_seconds)
-        sources[out.source] = sources.get(out.source, 0) + 1
-        cols: dict[str, NDArray[Any]] = {
-            "step": np.full(len(out.microbatch), j, dtype=np.int32),
-            "microbatch": out.microbatch, "rank_start": out.rank_start,
-            "cp_size": out.cp_size, "sample_index": out.sample_index,
-            "token_offset": out.token_offset, "num_tokens": out.num_tokens,
-            "padded_tokens": out.padded_tokens,
-        }
-        assert tuple(cols) == COLUMN_NAMES
-        steps.append(cols)
-        step_segments.append(jobs.tokens[jobs.bounds[j]:jobs.bounds[j + 1]])
-
-    split_samples = np.flatnonzero(policy.split).tolist()
-    stats = plan_stats(steps, step_segments, config, cost, tight)
-    stats.update({
-        "dropped_samples": policy.dropped.tolist(),
-        "truncated_samples": policy.truncated,
-        "split_samples": split_samples,
-        "skipped_bad_records": int(len(table.skipped)),
-        # Steps whose rows came from each candidate (solver/candidates.py), sorted by name.
-        "candidate_steps": dict(sorted(sources.items())),
-    })
-    if config.drop_last and blend is None:
-        stats["undrawn_samples"] = [np.sort(u).tolist() for _, u in draws]
-    global_batch: dict[str, Any] = {"size": config.global_batch_size,
-                                    "tokens": config.global_batch_tokens,
-                                    "drop_last": config.drop_last}
-    if blend is not None:
-        global_batch["blend"] = {"weights": list(config.blend), "samples_per_step": blend[1],
-                                 "drawn_per_epoch": [d for _, d in blended]}
-    p = config.parallel
-    header = PlanHeader(
-        dataset=DatasetInfo(path=str(table.path), num_samples=len(lengths),
-                            num_tokens=int(lengths[lengths > 0].sum()),
-                            fingerprint=fingerprint_lengths(lengths), format=str(table.format),
-                            files=[f.to_dict() for f in files]),
-        parallel=ParallelInfo(dp=p.dp, cp=p.cp, tp=p.tp, pp=p.pp, vpp=p.vpp,
-                              sequence_parallel=p.sequence_parallel, pool_size=p.pool_size,
-                              microbatch_group_size=p.group_size),
-        capacity_tokens_per_rank=config.capacity_tokens_per_rank,
-        cp_sizes=tuple(int(k) for k in config.sizes),
-        layout=config.layout,
-        global_batch=global_batch,
-        seed=config.seed,
-        cost_model=cost.to_header(),
-        stats=stats,
-        epochs=tuple(epochs),
-        solver=params.header(),
-        pad_to_multiple=config.pad_to_multiple,
-        kind=config.kind,
-    )
-    return Plan(header=header, steps=steps)
+    stream = PlanStream(table, config, cost, progress=progress)
+    steps = list(stream.steps())
+    return Plan(header=stream.header(), steps=steps)

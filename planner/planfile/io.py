@@ -8,15 +8,23 @@ plan under the final name.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 from numpy.typing import NDArray
 
-from planner.planfile.schema import COLUMN_NAMES, HEADER_KEY, PlanHeader, arrow_schema
+from planner.planfile.schema import (
+    COLUMN_NAMES,
+    COLUMNS,
+    HEADER_KEY,
+    PlanHeader,
+    arrow_schema,
+    step_batch,
+)
 from planner.planfile.validate import validate
 
 
@@ -111,3 +119,52 @@ class PlanFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Spill:
+    """Steps spilled to a header-less Arrow file, read back one batch at a time (not mapped:
+    a memory map would count every page read towards the process's resident memory)."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = pa.OSFile(str(path), "rb")
+        self._reader = ipc.open_file(self._file)
+
+    def __len__(self) -> int:
+        return int(self._reader.num_record_batches)
+
+    def __getitem__(self, i: int) -> pa.RecordBatch:
+        return self._reader.get_batch(i)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def write_plan_stream(path: str | os.PathLike[str], steps: Iterable[dict[str, NDArray[Any]]],
+                      header: Callable[[], PlanHeader], *,
+                      lengths: NDArray[np.integer] | None = None) -> Path:
+    """Write a plan whose header is known only after its last step, in bounded memory.
+
+    Each step's columns (``steps`` is consumed once, in order) go to a spill file next to
+    ``path`` as they come; then ``header()`` is asked for, the spilled steps are validated
+    against it (``planfile.validate``, coverage with ``lengths``) and copied into the plan
+    through ``write_plan``. At no point are two steps in memory; the spill is always removed,
+    and nothing is written under ``path`` unless the plan is valid.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    spill = path.with_name(f".{path.name}.spill-{os.getpid()}")
+    plain = pa.schema([pa.field(n, t, nullable=False) for n, t in COLUMNS])
+    try:
+        with pa.OSFile(str(spill), "wb") as sink, ipc.new_file(sink, plain) as writer:
+            for cols in steps:
+                writer.write_batch(step_batch(plain, cols))
+        final = header()
+        reader = _Spill(spill)
+        try:
+            validate(final, reader, lengths, source=str(path))
+            write_plan(path, final, (reader[i] for i in range(len(reader))), check=False)
+        finally:
+            reader.close()
+    finally:
+        spill.unlink(missing_ok=True)
+    return path

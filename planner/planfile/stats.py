@@ -59,73 +59,103 @@ def min_num_microbatches(tokens: NDArray[np.int64], sizes: tuple[int, ...], capa
     return -(-max(need, 1) // multiple) * multiple
 
 
+class StatsAccumulator:
+    """The header's ``stats`` numbers, one step at a time (memory independent of the steps).
+
+    ``add`` each step's columns in order, then ``result``: the same numbers, to the last bit,
+    as summing over the whole plan (sums run in step order; per-step microbatch counts, a few
+    bytes a step, are kept for the mean).
+    """
+
+    def __init__(self, config: PlannerConfig, cost: CostModel) -> None:
+        self.config = config
+        self.cost = cost
+        self.sim = 0.0
+        self.bound = 0.0
+        self.tight = 0.0
+        self.worst = 0.0
+        self.mb: list[int] = []
+        self.real = 0
+        self.padded = 0
+        self.real_padded = 0
+        self.fillers = 0
+        self.groups = {k: 0 for k in config.sizes}
+
+    def add(self, cols: dict[str, NDArray[Any]], seg: NDArray[np.int64],
+            tight_bound: float | None = None) -> None:
+        """One step: its 8 plan columns, its segments' lengths and its tight bound."""
+        config, cost = self.config, self.cost
+        n = config.parallel.pool_size
+        cap = config.capacity_tokens_per_rank
+        tp_eff = config.parallel.tp_eff
+        mb = cols["microbatch"]
+        self.mb.append(int(mb[-1]) + 1)
+        t = simulate_step(cost, n, mb, cols["rank_start"], cols["cp_size"],
+                          cols["padded_tokens"])
+        self.sim += t
+        if tight_bound is not None:
+            self.tight += tight_bound
+            if tight_bound > 0:
+                self.worst = max(self.worst, t / tight_bound)
+        pad_to = config.pad_to_multiple
+        need = min_num_microbatches(seg, config.sizes, cap, tp_eff, config.layout, n,
+                                    config.parallel.microbatch_multiple, pad_to)
+        self.bound += step_lower_bound(cost, n, seg, config.sizes, cap, tp_eff, config.layout,
+                                       need, pad_to=pad_to)
+        real_rows = cols["sample_index"] >= 0
+        self.real += int(cols["num_tokens"].sum(dtype=np.int64))
+        self.padded += int(cols["padded_tokens"].sum(dtype=np.int64))
+        self.real_padded += int(cols["padded_tokens"][real_rows].sum(dtype=np.int64))
+        self.fillers += int((~real_rows).sum())
+        # A group is a run of rows with equal (microbatch, rank_start); fillers sit alone.
+        key = mb.astype(np.int64) * (n + 1) + cols["rank_start"]
+        first = np.r_[True, key[1:] != key[:-1]] if len(key) else np.zeros(0, np.bool_)
+        group_k = cols["cp_size"][first & real_rows]
+        for k in self.groups:
+            self.groups[k] += int((group_k == k).sum())
+
+    def result(self, with_tight: bool = True) -> dict[str, Any]:
+        """The stats of the steps added so far (policy lists are added by the caller)."""
+        n = self.config.parallel.pool_size
+        cap = self.config.capacity_tokens_per_rank
+        mb = np.asarray(self.mb, dtype=np.int64)
+        real, padded = self.real, self.padded
+        align = self.real_padded - real
+        total_mb = int(mb.sum())
+        return {
+            "num_steps": len(mb),
+            "num_microbatches": total_mb,
+            "microbatches_per_step": {
+                "min": int(mb.min()) if len(mb) else 0,
+                "mean": float(mb.mean()) if len(mb) else 0.0,
+                "max": int(mb.max(initial=0)),
+            },
+            "real_tokens": real,
+            "padded_tokens": padded,
+            "padding_overhead": (padded - real) / real if real else 0.0,
+            "alignment_padding": align / real if real else 0.0,
+            "alignment_padding_tokens": align,
+            "slot_fill": real / (n * cap * total_mb) if total_mb else 0.0,
+            "simulated_seconds": self.sim,
+            "lower_bound_seconds": self.bound,
+            **({"malleable_lower_bound_seconds": float(self.tight),
+                "time_over_tight_bound": self.sim / float(self.tight) if self.tight else 0.0,
+                "time_over_tight_bound_max": self.worst}
+               if with_tight else {}),
+            "cp_size_groups": {str(k): v for k, v in self.groups.items()},
+            "filler_rows": self.fillers,
+        }
+
+
 def plan_stats(steps: list[dict[str, NDArray[Any]]], step_segments: list[NDArray[np.int64]],
                config: PlannerConfig, cost: CostModel,
                tight_bounds: list[float] | None = None) -> dict[str, Any]:
     """The header's ``stats`` numbers for the given steps (policy lists are added by the caller).
 
-    ``tight_bounds``: each step's malleable lower bound (greedy.StepAssignment.bound_seconds),
+    ``tight_bounds``: each step's tight lower bound (greedy.StepAssignment.bound_seconds),
     summed into ``malleable_lower_bound_seconds`` when given.
     """
-    n = config.parallel.pool_size
-    cap = config.capacity_tokens_per_rank
-    mult = config.parallel.microbatch_multiple
-    sim = 0.0
-    bound = 0.0
-    worst = 0.0
-    mb_per_step = np.zeros(len(steps), dtype=np.int64)
+    acc = StatsAccumulator(config, cost)
     for i, (cols, seg) in enumerate(zip(steps, step_segments, strict=True)):
-        mb_per_step[i] = int(cols["microbatch"][-1]) + 1
-        t = simulate_step(cost, n, cols["microbatch"], cols["rank_start"], cols["cp_size"],
-                          cols["padded_tokens"])
-        sim += t
-        if tight_bounds is not None and tight_bounds[i] > 0:
-            worst = max(worst, t / tight_bounds[i])
-        tp_eff = config.parallel.tp_eff
-        pad_to = config.pad_to_multiple
-        need = min_num_microbatches(seg, config.sizes, cap, tp_eff, config.layout, n, mult,
-                                    pad_to)
-        bound += step_lower_bound(cost, n, seg, config.sizes, cap, tp_eff, config.layout, need,
-                                  pad_to=pad_to)
-    if steps:
-        cat = {c: np.concatenate([s[c] for s in steps])
-               for c in ("step", "microbatch", "rank_start", "cp_size", "sample_index",
-                         "num_tokens", "padded_tokens")}
-    else:
-        cat = {c: np.zeros(0, dtype=np.int64) for c in ("step", "microbatch", "rank_start",
-                                                         "cp_size", "sample_index", "num_tokens",
-                                                         "padded_tokens")}
-    real_rows = cat["sample_index"] >= 0
-    real = int(cat["num_tokens"].sum(dtype=np.int64))
-    padded = int(cat["padded_tokens"].sum(dtype=np.int64))
-    align = int(cat["padded_tokens"][real_rows].sum(dtype=np.int64)) - real
-    # A group is a run of rows with equal (step, microbatch, rank_start); fillers sit alone.
-    key = (cat["step"].astype(np.int64) * (int(mb_per_step.max(initial=0)) + 1)
-           + cat["microbatch"]) * (n + 1) + cat["rank_start"]
-    first = np.r_[True, key[1:] != key[:-1]] if len(key) else np.zeros(0, np.bool_)
-    first_real = first & real_rows
-    group_k = cat["cp_size"][first_real]
-    total_mb = int(mb_per_step.sum())
-    return {
-        "num_steps": len(steps),
-        "num_microbatches": total_mb,
-        "microbatches_per_step": {
-            "min": int(mb_per_step.min()) if len(steps) else 0,
-            "mean": float(mb_per_step.mean()) if len(steps) else 0.0,
-            "max": int(mb_per_step.max(initial=0)),
-        },
-        "real_tokens": real,
-        "padded_tokens": padded,
-        "padding_overhead": (padded - real) / real if real else 0.0,
-        "alignment_padding": align / real if real else 0.0,
-        "alignment_padding_tokens": align,
-        "slot_fill": real / (n * cap * total_mb) if total_mb else 0.0,
-        "simulated_seconds": sim,
-        "lower_bound_seconds": bound,
-        **({"malleable_lower_bound_seconds": float(sum(tight_bounds)),
-            "time_over_tight_bound": sim / float(sum(tight_bounds)) if sum(tight_bounds) else 0.0,
-            "time_over_tight_bound_max": worst}
-           if tight_bounds is not None else {}),
-        "cp_size_groups": {str(k): int((group_k == k).sum()) for k in config.sizes},
-        "filler_rows": int((~real_rows).sum()),
-    }
+        acc.add(cols, seg, None if tight_bounds is None else tight_bounds[i])
+    return acc.result(with_tight=tight_bounds is not None)

@@ -13,6 +13,7 @@ import pyarrow as pa
 from numpy.typing import NDArray
 
 from planner.groups import LAYOUTS, pad_multiple, valid_cp_sizes
+from planner.planfile.coverage import Coverage
 from planner.planfile.schema import (
     COLUMN_NAMES,
     EVAL,
@@ -120,68 +121,6 @@ def _check_step(
     if num_mb % mm != 0:
         err.add(f"{where}: {num_mb} microbatches is not a multiple of the microbatch group "
                 f"size {mm} (vpp={header.parallel.vpp})")
-
-
-def _check_coverage(
-    header: PlanHeader,
-    segs: list[tuple[NDArray[Any], NDArray[Any], NDArray[Any]]],
-    lengths: NDArray[np.integer] | None,
-    epoch: int,
-    err: _Errors,
-) -> None:
-    num_samples = header.dataset.num_samples
-    sample = np.concatenate([s for s, _, _ in segs]) if segs else np.zeros(0, np.int64)
-    offset = np.concatenate([o for _, o, _ in segs]) if segs else np.zeros(0, np.int64)
-    ntok = np.concatenate([t for _, _, t in segs]) if segs else np.zeros(0, np.int64)
-    keep = sample >= 0
-    sample, offset, ntok = sample[keep], offset[keep].astype(np.int64), ntok[keep].astype(np.int64)
-    if sample.size and (sample.max() >= num_samples):
-        err.add(f"epoch {epoch}: sample index {int(sample.max())} >= num_samples {num_samples}")
-        return
-    order = np.lexsort((offset, sample))
-    sample, offset, ntok = sample[order], offset[order], ntok[order]
-    new = np.r_[True, sample[1:] != sample[:-1]] if sample.size else np.zeros(0, bool)
-    # Within a sample the segments must be contiguous from 0: each starts where the last ended.
-    expected = np.where(new, 0, np.r_[0, offset[:-1] + ntok[:-1]] if sample.size else 0)
-    if np.any(offset != expected):
-        j = int(np.argmax(offset != expected))
-        err.add(f"epoch {epoch}: sample {int(sample[j])} has a segment at token {int(offset[j])}, "
-                f"expected {int(expected[j])} (overlap or gap)")
-        return
-    placed = np.zeros(num_samples, dtype=bool)
-    placed[sample] = True
-    ends = np.zeros(num_samples, dtype=np.int64)
-    last = np.r_[new[1:], True] if sample.size else np.zeros(0, bool)
-    ends[sample[last]] = offset[last] + ntok[last]
-    stats = header.stats
-    dropped = np.asarray(stats.get("dropped_samples", []), dtype=np.int64)
-    truncated = dict((int(a), int(b)) for a, b in stats.get("truncated_samples", []))
-    blend = header.global_batch.get("blend")
-    if blend:
-        # A blend's epoch ends when its first group runs out: the others' remaining samples are
-        # undrawn by design, so the check is the count per group, not "every sample placed".
-        _check_blend_epoch(header, blend, placed, epoch, err)
-        should = placed.copy()
-    else:
-        should = np.ones(num_samples, dtype=bool)
-    if header.global_batch.get("drop_last") and "undrawn_samples" in stats:
-        should[np.asarray(stats["undrawn_samples"][epoch], dtype=np.int64)] = False
-    should[dropped] = False
-    if np.any(placed & ~should):
-        j = int(np.argmax(placed & ~should))
-        err.add(f"epoch {epoch}: sample {j} is placed although the header lists it as dropped")
-    if np.any(should & ~placed):
-        j = int(np.argmax(should & ~placed))
-        err.add(f"epoch {epoch}: sample {j} is placed nowhere")
-    if lengths is not None:
-        want = np.asarray(lengths, dtype=np.int64).copy()
-        for s, kept in truncated.items():
-            want[s] = kept
-        bad = placed & (ends != want)
-        if bad.any():
-            j = int(np.argmax(bad))
-            err.add(f"epoch {epoch}: sample {j} placed tokens [0, {int(ends[j])}) "
-                    f"of {int(want[j])}")
 
 
 def _check_eval_step(i: int, sample: NDArray[Any], last_max: int, header: PlanHeader,
@@ -350,7 +289,7 @@ def validate(
         err.add(f"file holds {num_steps} steps, header epochs list {header.num_steps}")
     err.raise_if_any(source)
     for e, (first, count) in enumerate(header.epochs):
-        segs = []
+        coverage = Coverage(header, e)
         last_max = -1
         for i in range(first, first + count):
             b = steps[i]
@@ -360,6 +299,13 @@ def validate(
                 last_max = _check_eval_step(i, cols["sample_index"], last_max, header, err)
             if header.global_batch.get("blend"):
                 _check_blend_step(i, cols["sample_index"], header, err)
-            segs.append((cols["sample_index"], cols["token_offset"], cols["num_tokens"]))
-        _check_coverage(header, segs, lengths, e, err)
+            coverage.add(cols["sample_index"], cols["token_offset"], cols["num_tokens"])
+        blend = header.global_batch.get("blend")
+        check = None
+        if blend:
+            def check(placed: NDArray[np.bool_], epoch: int = e,
+                      blend: dict[str, Any] = blend) -> None:
+                _check_blend_epoch(header, blend, placed, epoch, err)
+        for msg in coverage.finish(lengths, blend_check=check):
+            err.add(msg)
         err.raise_if_any(source)

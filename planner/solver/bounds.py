@@ -138,4 +138,4 @@ def full_pool_bound(padded: NDArray[np.int64], time: NDArray[np.float64],
     if full_tokens == 0:
         return 0.0
     groups = -(-full_tokens // (pool * capacity))
-    return full_time + groups * (pool - k0) * cost[2] + max(rest_work / pool, rest_single)
+    return float(full_time + groups * (pool - k0) * cost[2] + max(rest_work / pool, rest_single))

@@ -16,7 +16,7 @@ made in this process.
 from __future__ import annotations
 
 import multiprocessing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,26 +59,27 @@ def _plan_chunk(args: tuple[StepJobs, PackingParams]) -> list[StepAssignment]:
 
 
 def plan_steps(jobs: StepJobs, params: PackingParams, workers: int = 1,
-               progress: Callable[[int], None] | None = None) -> list[StepAssignment]:
-    """Every step's assignment, in step order; ``progress(steps_done)`` after each step/chunk."""
+               progress: Callable[[int], None] | None = None) -> Iterator[StepAssignment]:
+    """Every step's assignment, in step order, as it is made; ``progress(steps_done)`` after
+    each step (one process) or chunk (workers). A generator: the caller can write each step
+    before the next is planned."""
     n = jobs.num_steps
     workers = min(workers, max(1, n // MIN_STEPS_PER_WORKER))
     if workers <= 1:
-        out = []
         for j in range(n):
-            out += _plan_chunk((jobs.chunk(j, j + 1), params))
+            yield from _plan_chunk((jobs.chunk(j, j + 1), params))
             if progress is not None:
-                progress(len(out))
-        return out
+                progress(j + 1)
+        return
     edges = np.linspace(0, n, workers * CHUNKS_PER_WORKER + 1).round().astype(np.int64)
     chunks = [(jobs.chunk(int(a), int(b)), params)
               for a, b in zip(edges[:-1], edges[1:], strict=True) if b > a]
-    out = []
+    done = 0
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(workers) as pool:
         # imap keeps the chunks' order, whatever order the workers finish them in.
         for part in pool.imap(_plan_chunk, chunks):
-            out += part
+            yield from part
+            done += len(part)
             if progress is not None:
-                progress(len(out))
-    return out
+                progress(done)

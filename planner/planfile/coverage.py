@@ -1,0 +1,120 @@
+"""Coverage of one epoch, checked step by step in memory independent of the number of steps.
+
+PLAN_FORMAT invariant 5: within an epoch every sample's tokens [0, length) are placed exactly
+once, as one segment or disjoint segments that tile it, except what the header's stats remove.
+``Coverage`` keeps, per sample, the end of the contiguous prefix placed so far (O(samples)
+memory, nothing per row): each step's segments of a sample, sorted by offset, extend that
+prefix when they start at its end. A segment that does not (another step placed a later piece
+first, or an overlap or a gap) waits in a list that a valid plan never fills (the planner puts
+all of a sample's segments in one step), and ``finish`` chains the waiting segments onto the
+prefixes in offset order: the same verdicts, and the same messages, as sorting the whole epoch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from planner.planfile.schema import PlanHeader
+
+
+class Coverage:
+    """Invariant 5 for one epoch: ``add`` each step's segment columns, then ``finish``."""
+
+    def __init__(self, header: PlanHeader, epoch: int) -> None:
+        self.header = header
+        self.epoch = epoch
+        n = header.dataset.num_samples
+        self.ends = np.zeros(n, dtype=np.int64)
+        self.placed = np.zeros(n, dtype=np.bool_)
+        self.waiting: list[tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]] = []
+        self.error: str | None = None
+
+    def add(self, sample: NDArray[Any], offset: NDArray[Any], ntok: NDArray[Any]) -> None:
+        """One step's ``sample_index``, ``token_offset`` and ``num_tokens`` columns."""
+        if self.error is not None:
+            return
+        keep = sample >= 0
+        s = sample[keep].astype(np.int64)
+        o = offset[keep].astype(np.int64)
+        t = ntok[keep].astype(np.int64)
+        num_samples = len(self.ends)
+        if s.size and s.max() >= num_samples:
+            self.error = (f"epoch {self.epoch}: sample index {int(s.max())} >= num_samples "
+                          f"{num_samples}")
+            return
+        order = np.lexsort((o, s))
+        s, o, t = s[order], o[order], t[order]
+        new = np.r_[True, s[1:] != s[:-1]] if s.size else np.zeros(0, np.bool_)
+        expected = np.where(new, self.ends[s], np.r_[0, o[:-1] + t[:-1]] if s.size else 0)
+        bad = o != expected
+        if bad.any():
+            # Every segment of a sample with a misfit waits; the rest extend their prefixes.
+            late = np.isin(s, s[bad])
+            self.waiting.append((s[late], o[late], t[late]))
+            s, o, t, new = s[~late], o[~late], t[~late], new[~late]
+        last = np.r_[new[1:], True] if s.size else np.zeros(0, np.bool_)
+        self.ends[s[last]] = o[last] + t[last]
+        self.placed[s] = True
+
+    def _chain_waiting(self) -> str | None:
+        s = np.concatenate([w[0] for w in self.waiting])
+        o = np.concatenate([w[1] for w in self.waiting])
+        t = np.concatenate([w[2] for w in self.waiting])
+        order = np.lexsort((o, s))
+        for j in order.tolist():
+            si, oi = int(s[j]), int(o[j])
+            if oi != self.ends[si]:
+                return (f"epoch {self.epoch}: sample {si} has a segment at token {oi}, expected "
+                        f"{int(self.ends[si])} (overlap or gap)")
+            self.ends[si] = oi + int(t[j])
+            self.placed[si] = True
+        return None
+
+    def finish(self, lengths: NDArray[np.integer] | None,
+               blend_check: Callable[[NDArray[np.bool_]], None] | None = None) -> list[str]:
+        """The epoch's coverage errors (empty when it holds).
+
+        ``blend_check``: for a blended plan, called with the placed samples; its epoch ends when
+        its first group runs out, so the others' remaining samples are undrawn by design and
+        "every sample placed" is not asked.
+        """
+        if self.error is None and self.waiting:
+            self.error = self._chain_waiting()
+        if self.error is not None:
+            return [self.error]
+        errors = []
+        header, epoch = self.header, self.epoch
+        num_samples = len(self.ends)
+        placed, ends = self.placed, self.ends
+        stats = header.stats
+        dropped = np.asarray(stats.get("dropped_samples", []), dtype=np.int64)
+        truncated = dict((int(a), int(b)) for a, b in stats.get("truncated_samples", []))
+        if blend_check is not None:
+            blend_check(placed)
+            should = placed.copy()
+        else:
+            should = np.ones(num_samples, dtype=bool)
+        if header.global_batch.get("drop_last") and "undrawn_samples" in stats:
+            should[np.asarray(stats["undrawn_samples"][epoch], dtype=np.int64)] = False
+        should[dropped] = False
+        if np.any(placed & ~should):
+            j = int(np.argmax(placed & ~should))
+            errors.append(f"epoch {epoch}: sample {j} is placed although the header lists it "
+                          f"as dropped")
+        if np.any(should & ~placed):
+            j = int(np.argmax(should & ~placed))
+            errors.append(f"epoch {epoch}: sample {j} is placed nowhere")
+        if lengths is not None:
+            want = np.asarray(lengths, dtype=np.int64).copy()
+            for s, kept in truncated.items():
+                want[s] = kept
+            bad = placed & (ends != want)
+            if bad.any():
+                j = int(np.argmax(bad))
+                errors.append(f"epoch {epoch}: sample {j} placed tokens [0, {int(ends[j])}) "
+                              f"of {int(want[j])}")
+        return errors
