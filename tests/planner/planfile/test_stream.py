@@ -92,7 +92,7 @@ def test_coverage_accepts_a_sample_split_over_steps_in_any_order() -> None:
     validate(header, batches, np.array([30, 30], np.int64))
 
 
-@pytest.mark.parametrize("second, message", [
+@pytest.mark.parametrize(("second", "message"), [
     ([(0, 5, 10)], "sample 0 has a segment at token 5, expected 30"),
     ([(0, 0, 30)], "sample 0 has a segment at token 0, expected 30"),
 ])
