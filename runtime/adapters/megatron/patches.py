@@ -265,10 +265,24 @@ def apply_common_patches() -> None:
         _once(fn.__name__, fn)
 
 
+def te_cp_stream_for_dynamic_groups() -> None:
+    # extensions/transformer_engine.py creates TEDotProductAttention's CP stream only for a model
+    # built with context_parallel_size > 1; a plan's model is built with 1 and its microbatches
+    # bind groups of 2 or more through PackedSeqParams.cp_group, which then reach TE's ring
+    # without the side stream it overlaps with. GPU only; nothing to do where TE is absent.
+    try:
+        cls: Any = mcore.te_attention_class()
+    except Exception:  # noqa: BLE001 - TE raises ImportError, RuntimeError or OSError
+        return
+    if getattr(cls, "cp_stream", None) is None:
+        cls.cp_stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+
+
 def apply_patches(device: torch.device) -> None:
     """The workarounds for training on ``device``: CPU ones first, then the common ones."""
     if device.type == "cpu":
         apply_cpu_patches()
     else:
         ensure_memory_buffer()
+        _once(te_cp_stream_for_dynamic_groups.__name__, te_cp_stream_for_dynamic_groups)
     apply_common_patches()

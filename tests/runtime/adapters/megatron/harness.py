@@ -136,3 +136,29 @@ def assert_same_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
     for name in want:
         diff = float((got[name] - want[name]).norm() / want[name].norm())
         assert diff <= TOL, (name, diff)
+
+
+def train_rank_megatron_groups(rank: int, world_size: int, store: str, config: TrainConfig,
+                               model: GPTConfig) -> dict[str, Any]:
+    """A rank that keeps Megatron's own groups (parallel_state with hybrid DP x CP groups)."""
+    del store
+    from megatron.core import parallel_state
+
+    from runtime.adapters.megatron import MegatronTrainer, groups_from_parallel_state
+    from runtime.data.plan_reader import PlanReader
+    from runtime.dist.topology import Topology
+
+    header = PlanReader(config.plan).header
+    parallel_state.initialize_model_parallel(context_parallel_size=header.parallel.cp,
+                                             hybrid_context_parallel=True)
+    try:
+        topo = Topology.from_header(header.parallel, rank=rank, world_size=world_size)
+        groups = groups_from_parallel_state(topo, header.cp_sizes)
+        torch.manual_seed(config.seed)
+        trainer = MegatronTrainer(config, model, groups=groups)
+        try:
+            return {"logs": trainer.run().logs, "state": trainer.state()}
+        finally:
+            trainer.close()
+    finally:
+        parallel_state.destroy_model_parallel()

@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from runtime.data.plan_reader import PlanReader
 from runtime.train import TrainConfig
@@ -29,6 +30,7 @@ from tests.runtime.adapters.megatron.harness import (
     oracle_rank,
     plan,
     train_rank,
+    train_rank_megatron_groups,
     unshard,
     write_dataset,
 )
@@ -117,3 +119,16 @@ def test_vpp2_pp2_interleaved(tmp_path: Path) -> None:
     counts = [reader.step(i).num_microbatches for i in range(STEPS)]
     assert all(m % 2 == 0 for m in counts), counts  # microbatch_group_size = pp
     _check(cfg(p, data), 4, model)
+
+
+def test_megatron_parallel_state_groups_equal_created_groups(tmp_path: Path) -> None:
+    # A caller that initialised Megatron's parallel_state (hybrid DP x CP groups) keeps its
+    # groups: the catalog wraps them and the run equals the one with groups created here.
+    data = write_dataset(tmp_path / "data.arrow", lengths(), MODEL.vocab_size)
+    p = plan(tmp_path / "plan.arrow", data, capacity=32, batch=12, dp=2, cp=2)
+    config = cfg(p, data)
+    mine = run_distributed(train_rank_megatron_groups, 4, config, MODEL, timeout=300)
+    theirs = run_distributed(train_rank, 4, config, MODEL, timeout=300)
+    assert [g.loss for g in mine[0]["logs"]] == [g.loss for g in theirs[0]["logs"]]
+    for name, t in theirs[0]["state"].items():
+        assert torch.equal(mine[0]["state"][name], t), name
