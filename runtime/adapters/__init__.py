@@ -6,6 +6,9 @@ of the runtime never knows which engine runs. ``FRAMEWORKS`` is the single table
 (``runtime.train``); every other entry names a module with
 ``launch(cfg: TrainConfig, model_config: GPTConfig, *, reference: bool) -> int`` that owns the
 run from parsed flags to exit status (``reference=True``: that framework's oracle).
+An adapter that runs evaluation (``cfg.eval_plan``, through ``runtime.data.evaluation``) sets
+``SUPPORTS_EVAL = True`` in that module; ``dcp-train`` refuses ``--eval-plan`` for one that does
+not, rather than ignoring it.
 """
 
 from __future__ import annotations

@@ -164,7 +164,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.manual_seed(cfg.seed)
     try:
         if framework != "native":
-            return load_launcher(framework)(cfg, model_config, reference=reference)
+            launch = load_launcher(framework)
+            # An adapter opts in to evaluation (module flag SUPPORTS_EVAL, set once its launch
+            # runs cfg.eval_plan through runtime.data.evaluation); otherwise the flags would be
+            # silently ignored.
+            if cfg.eval_plan and not getattr(sys.modules[launch.__module__], "SUPPORTS_EVAL",
+                                             False):
+                raise ValueError(f"--framework {framework} does not run --eval-plan yet (its "
+                                 f"adapter, {launch.__module__}, sets no SUPPORTS_EVAL); "
+                                 "evaluate with --framework native")
+            return launch(cfg, model_config, reference=reference)
         if reference:
             if int(os.environ.get("WORLD_SIZE", "1")) > 1:
                 raise ValueError("--reference runs in one process; launch it without torchrun")

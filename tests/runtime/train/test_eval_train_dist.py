@@ -188,3 +188,28 @@ def test_eval_flags_are_checked(capsys: pytest.CaptureFixture[str], flags: list[
     with pytest.raises(SystemExit):
         main(["--plan", "p", "--dataset", "d", *flags])
     assert message in capsys.readouterr().err
+
+
+def test_adapters_without_evaluation_refuse_eval_flags(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--eval-plan is never silently ignored: an adapter must declare SUPPORTS_EVAL."""
+    import importlib
+
+    from runtime.adapters import FRAMEWORKS
+
+    checked = 0
+    for name, module_name in FRAMEWORKS.items():
+        if name == "native":
+            continue
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        if getattr(module, "SUPPORTS_EVAL", False):
+            continue
+        checked += 1
+        assert main(["--plan", str(tmp_path / "p.arrow"), "--dataset", "d", "--framework", name,
+                     "--eval-plan", "e.arrow", "--eval-dataset", "d"]) == 2
+        assert f"--framework {name} does not run --eval-plan yet" in capsys.readouterr().err
+    if checked == 0:
+        pytest.skip("every installed adapter evaluates")
