@@ -48,7 +48,7 @@ def _eval_lengths() -> np.ndarray:
 
 def write_eval_set(tmp: Path, lengths: np.ndarray, *, vocab_size: int = 64,
                    global_batch_size: int = 8, layout: str = "zigzag", dp: int = 2, cp: int = 2,
-                   name: str = "eval-plan") -> tuple[Path, Path]:
+                   pp: int = 1, name: str = "eval-plan") -> tuple[Path, Path]:
     """A token dataset (Arrow) and its eval plan for dp x cp (default 2 x 2), C = 32."""
     rng = np.random.default_rng(5)
     seqs = [rng.integers(0, vocab_size, size=int(n)).astype(np.int32) for n in lengths]
@@ -56,7 +56,8 @@ def write_eval_set(tmp: Path, lengths: np.ndarray, *, vocab_size: int = 64,
     table = pa.table({"input_ids": pa.array(seqs, type=pa.list_(pa.int32()))})
     with pa.OSFile(str(data), "wb") as sink, ipc.new_file(sink, table.schema) as w:
         w.write_table(table, max_chunksize=16)
-    config = PlannerConfig(parallel=ParallelConfig(dp=dp, cp=cp), capacity_tokens_per_rank=32,
+    config = PlannerConfig(parallel=ParallelConfig(dp=dp, cp=cp, pp=pp),
+                           capacity_tokens_per_rank=32,
                            global_batch_size=global_batch_size, kind="eval", layout=layout)
     plan = make_plan(read_lengths(data), config, load_cost_model("default"))
     return write_plan(tmp / f"{name}.arrow", plan.header, plan.record_batches()), data

@@ -97,3 +97,22 @@ def test_check_eval_layout_names_both_plans(eval_set: tuple[Path, Path]) -> None
     with pytest.raises(ValueError, match=r"uses CP sizes \[4\] that t\.arrow does not"):
         check_eval_layout(ev, replace(ev, cp_sizes=(1, 2)), train_source="t.arrow")
     assert np.array_equal(np.asarray(ev.cp_sizes), np.array([1, 2, 4]))
+
+
+def test_pipeline_stages_get_the_same_pass(tmp_path: Path) -> None:
+    """pp = 2: both stages of a pool rank run the same microbatches; the first builds tokens,
+    the last labels (what a pipelined eval hook feeds each stage)."""
+    plan, data = write_eval_set(tmp_path, _eval_lengths(), pp=2)
+    reader = PlanReader(plan)
+    passes = []
+    for pp_rank in (0, 1):
+        topo = Topology(world_size=8, rank=1 + 4 * pp_rank, dp=2, cp=2, pp=2)
+        assert (topo.pp_rank, topo.pool_rank) == (pp_rank, 1)
+        items = list(EvalSchedule(reader, open_token_source(data), topo))
+        firsts = {m.micro.inputs.tokens is not None for m in items}
+        lasts = {m.micro.inputs.labels is not None for m in items}
+        assert (firsts, lasts) == (({True}, {False}) if pp_rank == 0 else ({False}, {True}))
+        passes.append([(m.step, m.index, m.micro.rows.sample_index.tolist()) for m in items])
+    assert passes[0] == passes[1]
+    assert len(passes[0]) == sum(reader.step(i).num_microbatches
+                                 for i in range(reader.num_steps))
