@@ -18,6 +18,9 @@ from runtime.adapters.torchtitan.trainer import PlanTrainer
 from runtime.train.common import TrainConfig, init_process_group
 from runtime.train.model import GPTConfig
 
+SUPPORTS_EVAL = True
+"""This adapter runs ``--eval-plan`` (torchtitan's validation hook on ``EvalSchedule``)."""
+
 
 def build_trainer(cfg: TrainConfig, model_config: GPTConfig) -> PlanTrainer:
     """The torchtitan trainer for ``cfg`` (the process group must exist)."""
