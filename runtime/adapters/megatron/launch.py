@@ -18,6 +18,9 @@ from runtime.adapters.megatron.train import MegatronTrainer
 from runtime.train.common import TrainConfig, init_process_group
 from runtime.train.model import GPTConfig
 
+SUPPORTS_EVAL = True
+"""This adapter runs ``--eval-plan`` (Megatron's forward-only schedule on ``EvalSchedule``)."""
+
 
 def launch(cfg: TrainConfig, model_config: GPTConfig, *, reference: bool) -> int:
     """Run ``cfg`` through Megatron-core (``reference``: its one-process oracle); exit status."""
