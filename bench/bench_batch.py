@@ -19,15 +19,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
+from bench.workloads import WIKIPEDIA_PATH, read_length_file  # noqa: E402
 from planner.config import ParallelConfig, PlannerConfig
 from planner.cost import load_cost_model
 from planner.plan import make_plan
@@ -38,8 +44,7 @@ from runtime.data.batch import build_microbatch
 from runtime.data.plan_reader import PlanReader
 from runtime.data.tokens import ArrayTokens, TokenSource, open_token_source
 
-LENGTHS_FILE = (Path(__file__).resolve().parents[2] / "shared" / "workloads"
-                / "flexsp_wikipedia_lengths.txt")
+LENGTHS_FILE = WIKIPEDIA_PATH
 BUCKETS = ((0, 16384), (16384, 32768), (32768, 65536), (65536, 1 << 40))
 
 
@@ -110,7 +115,7 @@ def main() -> None:
                     help="one sample length per line; step lengths are drawn from it")
     args = ap.parse_args()
 
-    all_lengths = np.loadtxt(args.lengths, dtype=np.int64)
+    all_lengths = read_length_file(args.lengths)
     rng = np.random.default_rng(args.seed)
     cost = load_cost_model()
     parallel = ParallelConfig(dp=args.dp, cp=args.cp)

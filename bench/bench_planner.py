@@ -14,12 +14,17 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.workloads import WIKIPEDIA_PATH, read_length_file  # noqa: E402
 from planner.config import ParallelConfig, PlannerConfig
 from planner.cost import load_cost_model
 from planner.plan import make_plan
@@ -27,14 +32,12 @@ from planner.planfile.io import PlanFile, write_plan
 from planner.planfile.validate import validate
 from planner.sources.lengths import LengthTable
 
-DEFAULT_LENGTHS = (Path(__file__).resolve().parents[2] / "shared" / "workloads"
-                   / "flexsp_wikipedia_lengths.txt")
+DEFAULT_LENGTHS = WIKIPEDIA_PATH
 
 
 def read_lengths(path: Path) -> LengthTable:
-    """One integer per line; np.loadtxt is ~30x slower than split() on a million lines."""
-    with open(path) as f:
-        lengths = np.array(f.read().split(), dtype=np.int64)
+    """One integer per line (plain or .gz text)."""
+    lengths = read_length_file(path)
     return LengthTable(path=str(path), format="text", lengths=lengths,
                        skipped=np.zeros(0, dtype=np.int64))
 

@@ -1,6 +1,6 @@
 """Benchmark workloads: deterministic, seeded sequence-length mixes as int64 arrays.
 
-Four mixes (see shared workloads/README.md for the shapes they imitate):
+Four mixes (see data/workloads/README.md for the shapes they imitate):
 
 - ``wikipedia``: a seeded sample (without replacement) of the FlexSP Wikipedia document lengths
   (median 347, p99 ~10.9K, a tail to 1.8M).
@@ -24,6 +24,7 @@ Example: ``make_workload("lognormal", num_tokens=1_000_000, pool_size=8, capacit
 
 from __future__ import annotations
 
+import gzip
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,8 +33,9 @@ from numpy.typing import NDArray
 
 from planner.groups import valid_cp_sizes
 
-WIKIPEDIA_PATH = Path(__file__).resolve().parents[2] / "shared" / "workloads" / (
-    "flexsp_wikipedia_lengths.txt")
+ROOT = Path(__file__).resolve().parents[1]
+WIKIPEDIA_PATH = ROOT / "data" / "workloads" / "flexsp_wikipedia_lengths.txt.gz"
+"""Shipped in the repository (Apache-2.0, with its licence file beside it), gzip-compressed."""
 BYTESCALE_CAP = 2 * 1024 * 1024
 
 
@@ -67,10 +69,18 @@ _wikipedia_cache: NDArray[np.int64] | None = None
 def _wikipedia_lengths() -> NDArray[np.int64]:
     global _wikipedia_cache
     if _wikipedia_cache is None:
-        if not WIKIPEDIA_PATH.is_file():
-            raise ValueError(f"{WIKIPEDIA_PATH}: Wikipedia lengths file not found")
-        _wikipedia_cache = np.loadtxt(WIKIPEDIA_PATH, dtype=np.int64)
+        _wikipedia_cache = read_length_file(WIKIPEDIA_PATH)
     return _wikipedia_cache
+
+
+def read_length_file(path: Path) -> NDArray[np.int64]:
+    """One integer length per line, from a plain or a gzip-compressed (``.gz``) text file."""
+    if not path.is_file():
+        raise ValueError(f"{path}: lengths file not found")
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        # split() + one array: ~30x faster than np.loadtxt on a million lines.
+        return np.array(f.read().split(), dtype=np.int64)
 
 
 def wikipedia(num_samples: int, seed: int = 0) -> NDArray[np.int64]:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -32,6 +34,7 @@ from planner.cliargs import (
     refuse,
     step_range,
 )
+from planner.cliguard import Terminated, dataset_items, default_output, input_files, terminate
 from planner.config import (
     EFFORTS,
     LONG_SEQUENCE_POLICIES,
@@ -123,7 +126,10 @@ def _plan_parser() -> argparse.ArgumentParser:
     add_version(p)
     _add_dataset_arguments(p, required=True)
     p.add_argument("-o", "--output",
-                   help="plan file (default: plans/<first dataset's stem>.arrow)")
+                   help="plan file (default: plans/<first dataset's stem>.arrow); an existing "
+                   "plan there is replaced, any other file is refused")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing output file even if it is not a plan (never an input)")
     par = p.add_argument_group("parallel layout (pool = dp x cp ranks)")
     par.add_argument("--dp", "--data-parallel-size", dest="dp", type=positive_int,
                      required=True, metavar="D", help="data-parallel size")
@@ -189,31 +195,6 @@ def _plan_parser() -> argparse.ArgumentParser:
     return p
 
 
-def dataset_items(parser: argparse.ArgumentParser, args: argparse.Namespace,
-                  *, required: bool = True) -> tuple[list[str], list[float] | None]:
-    """The dataset's items and blend weights from DATASET... or --data-path (not both)."""
-    from planner.sources.dataset import parse_data_path
-
-    if args.dataset and args.data_path:
-        parser.error("give the dataset as DATASET... or with --data-path, not both")
-    if args.data_path:
-        try:
-            return parse_data_path(args.data_path)
-        except ValueError as e:
-            parser.error(str(e))
-    if required and not args.dataset:
-        parser.error("the dataset is required: DATASET... or --data-path PATH...")
-    return list(args.dataset), None
-
-
-def _default_output(item: str) -> Path:
-    from planner.sources.compressed import strip_compression
-
-    name = Path(strip_compression(item.rstrip("/")))
-    stem = name.stem if name.suffix else name.name
-    return Path("plans") / f"{stem or 'plan'}.arrow"
-
-
 def cmd_plan(argv: list[str]) -> int:
     parser = _plan_parser()
     args = parser.parse_intermixed_args(argv)
@@ -230,7 +211,7 @@ def cmd_plan(argv: list[str]) -> int:
                      "--global-batch-size with them, not --global-batch-tokens")
     from planner.cost import load_cost_model
     from planner.plan import PlanStream
-    from planner.planfile.io import write_plan_stream
+    from planner.planfile.io import check_output_path, write_plan_stream
     from planner.planfile.schema import PlanHeader
     from planner.progress import Progress
     from planner.sources.lengths import read_lengths
@@ -253,11 +234,16 @@ def cmd_plan(argv: list[str]) -> int:
         blend=tuple(weights or ()),
         solver=SolverConfig(microbatch_tolerance=args.microbatch_tolerance))
     cost = load_cost_model(args.cost_model)
-    out = Path(args.output) if args.output else _default_output(items[0])
+    out = Path(args.output) if args.output else default_output(items[0])
+    # Before reading anything: the output must not be an input, nor a file that is not a plan.
+    check_output_path(out, inputs=input_files(items, args.cost_model), overwrite=args.overwrite)
     show = not (args.quiet or args.json)
     with Progress("reading", unit="file", enabled=show and len(items) > 1) as bar:
         table = read_lengths(items, skip_bad_records=args.skip_bad_records, field=args.field,
                              progress=bar)
+    # Directories and globs expand to files only now: check those too.
+    check_output_path(out, inputs=input_files([f.path for f in table.files], ""),
+                      overwrite=args.overwrite)
     t1 = time.perf_counter()
     planned: list[float] = []
     with Progress("planning", unit="step", enabled=show) as bar:
@@ -272,7 +258,8 @@ def cmd_plan(argv: list[str]) -> int:
         # last token) before anything reaches the final path: a plan that breaks an invariant
         # is a bug, and the user must never find a half-right file under the name they asked
         # for.
-        write_plan_stream(out, stream.steps(), header, lengths=table.lengths)
+        write_plan_stream(out, stream.steps(), header, lengths=table.lengths,
+                          overwrite=args.overwrite)
     t3 = time.perf_counter()
     t2 = planned[0]
     summary = plan_summary(stream.header(), out,
@@ -325,9 +312,12 @@ def cmd_show(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="one JSON object per step (JSON lines)")
     args = p.parse_args(argv)
     from planner.notebook.view import read_plan, step_summary_row
+    from planner.planfile.validate import validate
 
     view = read_plan(args.plan)
     h = view.header
+    # Never show numbers from a damaged or invalid plan: checksums and every invariant first.
+    validate(h, view._file, source=args.plan)
     if args.step is not None:
         if args.step >= view.num_steps:
             p.error(f"--step {args.step}: the plan has steps 0..{view.num_steps - 1}")
@@ -375,14 +365,24 @@ def main(argv: list[str] | None = None) -> int:
     cmd = cmd_plan
     if argv and argv[0] in commands:
         cmd = commands[argv.pop(0)]
+    previous = signal.signal(signal.SIGTERM, terminate)
     try:
         return cmd(argv)
+    except BrokenPipeError:  # `dcp-plan show ... | head`: the reader left; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (ValueError, OSError) as e:
         print(f"{PROG}: error: {flag_message(str(e), FLAGS)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, Terminated) as e:
+        # The writer's cleanup ran on the way out (temporary files removed, nothing renamed).
+        signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
+        print(f"{PROG}: interrupted by {signal.Signals(signum).name}; no plan written",
+              file=sys.stderr)
+        return 128 + signum
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from planner.groups import LAYOUTS, ZIGZAG, check_cp_sizes, valid_cp_sizes
+from planner.groups import LAYOUTS, ZIGZAG, check_cp_sizes, pad_multiple, valid_cp_sizes
 from planner.planfile.schema import EVAL, PLAN_KINDS
 
 LONG_SEQUENCE_POLICIES = ("error", "split", "truncate", "drop")
@@ -198,3 +198,13 @@ class PlannerConfig:
                 f"min_cp={self.min_cp} leaves no group size (sizes: {self.cp_sizes or 'default'})"
             )
         object.__setattr__(self, "sizes", sizes)
+        # A rank must hold at least one padded sequence of the largest group: below that, every
+        # sequence at that size is mostly padding and long samples split into a flood of tiny
+        # microbatches (C = 3 at CP 2 zigzag planned 415 microbatches per step).
+        k = sizes[-1]
+        m = pad_multiple(k, self.parallel.tp_eff, self.layout)
+        if self.capacity_tokens_per_rank < m:
+            raise ValueError(
+                f"max tokens per rank {self.capacity_tokens_per_rank} is below the padding "
+                f"multiple {m} of group size {k} ({self.layout}, tp'={self.parallel.tp_eff}); "
+                f"raise --max-tokens-per-rank to at least {m} or limit --cp-sizes")

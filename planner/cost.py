@@ -26,6 +26,7 @@ best size).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -125,9 +126,17 @@ class CostModel:
                                                         DEFAULT_FORWARD_FRACTION))
         if not isinstance(fraction, (int, float)):
             raise ValueError(f"{source}: forward_fraction must be a number, got {fraction!r}")
+        values = {}
+        for k, v in params.items():
+            if k not in known:
+                continue
+            # bool is an int subclass, and float("1e-6") would accept a string: numbers only.
+            if type(v) not in (int, float) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{source}: cost-model parameter {k} must be a finite number "
+                                 f">= 0, got {v!r}")
+            values[k] = float(v)
         return cls(name=str(d.get("name", source)), description=str(d.get("description", "")),
-                   forward_fraction=float(fraction),
-                   **{k: float(v) for k, v in params.items() if k in known})
+                   forward_fraction=float(fraction), **values)
 
 
 def load_cost_model(name_or_path: str = "default") -> CostModel:

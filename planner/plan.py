@@ -95,7 +95,13 @@ def segment_capacity(config: PlannerConfig) -> tuple[int, int]:
     return best
 
 
-def apply_long_policy(lengths: NDArray[np.int64], config: PlannerConfig) -> LongPolicyResult:
+MAX_SEGMENTS_PER_SAMPLE = 4096
+"""A split sample becomes at most this many segments (all in one step, about one microbatch
+each); more is a mistake in the data or the capacity, refused before allocating per segment."""
+
+
+def apply_long_policy(lengths: NDArray[np.int64], config: PlannerConfig, *,
+                      source: str = "dataset") -> LongPolicyResult:
     """Apply ``config.long_sequences`` to every sample that no allowed group size holds."""
     tp_eff = config.parallel.tp_eff
     cap = config.capacity_tokens_per_rank
@@ -120,6 +126,15 @@ def apply_long_policy(lengths: NDArray[np.int64], config: PlannerConfig) -> Long
             raise ValueError(f"sample {i}: no group size holds even one padded token "
                              f"(capacity {cap}, layout {config.layout}), cannot {policy}")
         if policy == "split":
+            count = -(-tokens[long_idx] // seg)
+            worst = int(np.argmax(count))
+            if int(count[worst]) > MAX_SEGMENTS_PER_SAMPLE:
+                j = int(long_idx[worst])
+                raise ValueError(
+                    f"{source}: sample {j} has {int(lengths[j])} tokens: split into segments of "
+                    f"{seg} it would need {int(count[worst])} microbatches in one step (at most "
+                    f"{MAX_SEGMENTS_PER_SAMPLE}); raise --max-tokens-per-rank, or use "
+                    "--long-sequences truncate or drop")
             split[long_idx] = True
         elif policy == "truncate":
             tokens[long_idx] = seg
@@ -187,7 +202,7 @@ class PlanStream:
     def __init__(self, table: LengthTable, config: PlannerConfig, cost: CostModel, *,
                  progress: Callable[[int, int], None] | None = None) -> None:
         lengths = np.asarray(table.lengths, dtype=np.int64)
-        policy = apply_long_policy(lengths, config)
+        policy = apply_long_policy(lengths, config, source=str(table.path))
         if config.kind == EVAL:
             # No backward in an evaluation: plan (and score) it with the forward-only cost.
             cost = cost.forward_only()
@@ -218,6 +233,14 @@ class PlanStream:
                                          drop_last=config.drop_last)
                      for e in range(config.epochs)]
         self.undrawn = [u for _, u in draws]
+        if sum(len(b) for b, _ in draws) == 0:
+            raise ValueError(
+                f"{table.path}: the plan would have no steps: "
+                f"{int(np.count_nonzero(eligible))} plannable samples and "
+                + (f"a global batch of {config.global_batch_size} samples"
+                   if config.global_batch_size
+                   else f"a global batch of {config.global_batch_tokens} tokens")
+                + (" with --drop-last" if config.drop_last else ""))
         self.jobs, self.epochs = _step_jobs([b for b, _ in draws], policy)
         self.progress = progress
         self.stats = StatsAccumulator(config, cost)

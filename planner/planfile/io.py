@@ -1,13 +1,22 @@
-"""Plan file I/O: atomic Arrow IPC writer and a memory-mapped reader with O(1) step access.
+"""Plan file I/O: atomic, checksummed Arrow IPC writer and a verifying memory-mapped reader.
 
-The writer streams to ``<path>.tmp-<pid>`` in the same directory and renames it over ``path`` only
-after the footer is written and fsynced, so a crash or a validation error never leaves a partial
-plan under the final name.
+The writer streams to ``.<name>.tmp-<pid>`` in the same directory, fsyncs it, renames it over
+``path`` and fsyncs the directory, so a crash, a signal or a validation error never leaves a
+partial plan under the final name. Temporary files of earlier runs that were killed (their pid is
+gone) are removed by the next write to the same path. An existing file that is not a plan is never
+replaced unless the caller says ``overwrite``.
+
+The reader (``PlanFile``) checks on open that the header's sha256 matches, that the column types
+are exactly the plan's, and that the file's two copies of the schema agree; ``step(i)`` checks
+step i's sha256 the first time it is read (format version 2; see ``planner.checksum``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -17,39 +26,134 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 from numpy.typing import NDArray
 
+from planner.planfile.checksum import (
+    HEADER_CHECKSUM_KEY,
+    STEP_CHECKSUM_KEY,
+    header_digest,
+    step_digest,
+)
 from planner.planfile.schema import (
     COLUMN_NAMES,
     COLUMNS,
     HEADER_KEY,
     PlanHeader,
     arrow_schema,
+    check_schema,
+    column_numpy,
     step_batch,
 )
 from planner.planfile.validate import validate
 
+_ARROW_ERRORS = (pa.ArrowException, OSError, EOFError)
+
+
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """fsync a directory so that a rename inside it survives a power loss (POSIX)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return  # not supported here (e.g. Windows): the rename is still atomic
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some filesystems refuse fsync on a directory
+        if e.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def remove_stale_temps(path: Path) -> list[Path]:
+    """Remove ``.<name>.tmp-<pid>`` (and ``.spill-<pid>``) files beside ``path`` whose writer process is gone."""
+    pattern = re.compile(rf"^\.{re.escape(path.name)}\.(?:tmp|spill)-(\d+)$")
+    removed: list[Path] = []
+    if not path.parent.is_dir():
+        return removed
+    for p in path.parent.iterdir():
+        m = pattern.match(p.name)
+        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                removed.append(p)
+    return removed
+
+
+def is_plan_file(path: str | os.PathLike[str]) -> bool:
+    """True if ``path`` is an Arrow IPC file with a ``dcp.plan`` header (checksums not checked)."""
+    try:
+        with pa.memory_map(os.fspath(path), "r") as src:
+            meta = ipc.open_file(src).schema.metadata or {}
+    except _ARROW_ERRORS:
+        return False
+    return HEADER_KEY in meta
+
+
+def check_output_path(path: str | os.PathLike[str], *, inputs: Iterable[str] = (),
+                      overwrite: bool = False) -> Path:
+    """Refuse an output path that would destroy something the user owns.
+
+    Raises:
+        ValueError: ``path`` is (resolves to, or is a hard link of) one of ``inputs``; it is a
+            directory; or it exists, is not a plan, and ``overwrite`` is False.
+    """
+    out = Path(path)
+    for given in inputs:
+        src = Path(given)
+        same = out.resolve() == src.resolve()
+        if not same and out.exists() and src.exists():
+            same = os.path.samefile(out, src)
+        if same:
+            raise ValueError(f"{out}: the output is the input {given}; refusing to overwrite a "
+                             "dataset with a plan (choose another -o/--output)")
+    if out.is_dir():
+        raise ValueError(f"{out}: is a directory, not a plan file path")
+    if out.exists() and not overwrite and not is_plan_file(out):
+        raise ValueError(f"{out}: exists and is not a dcp plan; refusing to overwrite it "
+                         "(remove it, choose another output, or pass --overwrite)")
+    return out
+
 
 def write_plan(path: str | os.PathLike[str], header: PlanHeader,
                steps: Iterable[pa.RecordBatch], *, lengths: NDArray[np.integer] | None = None,
-               check: bool = True) -> Path:
+               check: bool = True, overwrite: bool = False) -> Path:
     """Validate and write ``steps`` (batch i = step i) with ``header`` to ``path`` atomically.
 
     Args:
-        path: the plan file; its directory is created.
+        path: the plan file; its directory is created. An existing plan there is replaced.
         header: the plan header.
         steps: one record batch per step.
         lengths: the dataset's sample lengths; with them, coverage is checked to the last token.
         check: run ``planfile.validate`` first (the default): an invalid plan raises ValueError and
             nothing is written. ``False`` streams without holding the steps (for callers that
             validated already).
+        overwrite: replace an existing file that is not a plan (refused by default).
 
     Returns:
         ``path``.
+
+    Raises:
+        ValueError: an invalid plan, a path that is not safe to replace, or a failed write (a
+            full disk, a read-only directory), naming the path; nothing is left behind.
     """
-    path = Path(path)
+    path = check_output_path(path, overwrite=overwrite)
     if check:
         steps = list(steps)
         validate(header, steps, lengths, source=str(path))
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{path.parent}: cannot create the plan's directory: "
+                         f"{e.strerror or e}") from None
+    remove_stale_temps(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     schema = arrow_schema(header)
     try:
@@ -57,10 +161,16 @@ def write_plan(path: str | os.PathLike[str], header: PlanHeader,
             for batch in steps:
                 if batch.schema.remove_metadata() != schema.remove_metadata():
                     raise ValueError(f"step batch schema {batch.schema} does not match the plan's")
-                writer.write_batch(batch.replace_schema_metadata(schema.metadata))
+                digest = step_digest([column_numpy(batch, n) for n in COLUMN_NAMES])
+                writer.write_batch(batch.replace_schema_metadata(schema.metadata),
+                                   custom_metadata={STEP_CHECKSUM_KEY: digest.encode()})
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as e:  # pa.ArrowIOError is an OSError: a full disk, a quota, EIO
+        tmp.unlink(missing_ok=True)
+        raise ValueError(f"{path}: cannot write the plan: {e.strerror or e}") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -74,18 +184,42 @@ class PlanFile:
         self.path = Path(path)
         if not self.path.is_file():
             raise ValueError(f"{self.path}: no such plan file")
+        src = str(self.path)
         try:
-            self._source = pa.memory_map(str(self.path), "r")
+            self._source = pa.memory_map(src, "r")
             self._reader = ipc.open_file(self._source)
-        except pa.ArrowInvalid as e:
+            schema = self._reader.schema
+        except _ARROW_ERRORS as e:
             raise ValueError(f"{self.path}: not an Arrow IPC plan file ({e})") from None
-        meta = self._reader.schema.metadata or {}
+        meta = schema.metadata or {}
         if HEADER_KEY not in meta:
             raise ValueError(f"{self.path}: no {HEADER_KEY.decode()} header; not a dcp plan")
-        self.header = PlanHeader.from_json(meta[HEADER_KEY], source=str(self.path))
-        missing = [c for c in COLUMN_NAMES if c not in self._reader.schema.names]
-        if missing:
-            raise ValueError(f"{self.path}: plan lacks columns {missing}")
+        text = meta[HEADER_KEY]
+        stored = meta.get(HEADER_CHECKSUM_KEY)
+        if stored is not None and stored != header_digest(text).encode():
+            raise ValueError(f"{self.path}: header checksum mismatch (the file is damaged)")
+        self.header = PlanHeader.from_json(text, source=src)
+        if stored is None and self.header.format_version >= 2:
+            raise ValueError(f"{self.path}: header has no checksum ({HEADER_CHECKSUM_KEY.decode()}"
+                             f"), required by format version {self.header.format_version}")
+        check_schema(schema, src)
+        self._check_first_schema_copy()
+        self._verified: set[int] = set()
+
+    def _check_first_schema_copy(self) -> None:
+        # An IPC file holds the schema twice: at the start of its stream and in the footer.
+        # pyarrow's file reader reads only the footer, so a damaged first copy would otherwise
+        # pass here and break any stream reader of the same bytes.
+        try:
+            self._source.seek(0)
+            buf = self._source.read_buffer(self._source.size())
+            first = ipc.open_stream(pa.BufferReader(buf.slice(8))).schema
+        except _ARROW_ERRORS as e:
+            raise ValueError(f"{self.path}: the schema at the start of the file is damaged "
+                             f"({e})") from None
+        if not first.equals(self._reader.schema, check_metadata=True):
+            raise ValueError(f"{self.path}: the schema at the start of the file differs from "
+                             "the footer's copy (the file is damaged)")
 
     @property
     def schema(self) -> pa.Schema:
@@ -102,14 +236,37 @@ class PlanFile:
         """Step ``i``'s rows (zero-copy from the memory map)."""
         if not 0 <= i < self.num_steps:
             raise IndexError(f"{self.path}: step {i} out of range 0..{self.num_steps - 1}")
-        return self._reader.get_batch(i)
+        try:
+            batch, meta = self._reader.get_batch_with_custom_metadata(i)
+        except _ARROW_ERRORS as e:
+            raise ValueError(f"{self.path}: step {i} is unreadable ({e})") from None
+        if i not in self._verified:
+            self._verify(i, batch, meta)
+        return batch
+
+    def _verify(self, i: int, batch: pa.RecordBatch, meta: pa.KeyValueMetadata | None) -> None:
+        stored = (meta or {}).get(STEP_CHECKSUM_KEY)
+        if stored is None:
+            if self.header.format_version >= 2:
+                raise ValueError(f"{self.path}: step {i} has no checksum, required by format "
+                                 f"version {self.header.format_version}")
+        else:
+            try:
+                digest = step_digest([column_numpy(batch, n) for n in COLUMN_NAMES])
+            except ValueError as e:
+                raise ValueError(f"{self.path}: step {i}: {e}") from None
+            if stored != digest.encode():
+                raise ValueError(f"{self.path}: step {i} checksum mismatch (the file is "
+                                 "damaged)")
+        self._verified.add(i)
 
     def __getitem__(self, i: int) -> pa.RecordBatch:
         return self.step(i)
 
     def table(self) -> pa.Table:
-        """All steps as one table (reads the whole file)."""
-        return self._reader.read_all()
+        """All steps as one table (reads the whole file, checking every step's checksum)."""
+        return pa.Table.from_batches([self.step(i) for i in range(self.num_steps)],
+                                     schema=self._reader.schema)
 
     def close(self) -> None:
         self._source.close()
@@ -141,7 +298,8 @@ class _Spill:
 
 def write_plan_stream(path: str | os.PathLike[str], steps: Iterable[dict[str, NDArray[Any]]],
                       header: Callable[[], PlanHeader], *,
-                      lengths: NDArray[np.integer] | None = None) -> Path:
+                      lengths: NDArray[np.integer] | None = None,
+                      overwrite: bool = False) -> Path:
     """Write a plan whose header is known only after its last step, in bounded memory.
 
     Each step's columns (``steps`` is consumed once, in order) go to a spill file next to
@@ -150,8 +308,9 @@ def write_plan_stream(path: str | os.PathLike[str], steps: Iterable[dict[str, ND
     through ``write_plan``. At no point are two steps in memory; the spill is always removed,
     and nothing is written under ``path`` unless the plan is valid.
     """
-    path = Path(path)
+    path = check_output_path(path, overwrite=overwrite)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(path)
     spill = path.with_name(f".{path.name}.spill-{os.getpid()}")
     plain = pa.schema([pa.field(n, t, nullable=False) for n, t in COLUMNS])
     try:
@@ -162,7 +321,8 @@ def write_plan_stream(path: str | os.PathLike[str], steps: Iterable[dict[str, ND
         reader = _Spill(spill)
         try:
             validate(final, reader, lengths, source=str(path))
-            write_plan(path, final, (reader[i] for i in range(len(reader))), check=False)
+            write_plan(path, final, (reader[i] for i in range(len(reader))), check=False,
+                       overwrite=overwrite)
         finally:
             reader.close()
     finally:

@@ -18,10 +18,13 @@ import numpy as np
 import pyarrow as pa
 from numpy.typing import NDArray
 
+from planner.planfile.checksum import HEADER_CHECKSUM_KEY, header_digest
+
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 """Format versions this reader accepts (the version-1 plans in plans/golden must keep reading).
-Version 2 adds the header's ``kind``, ``dataset.files`` and ``global_batch.blend``."""
+Version 2 adds the header's ``kind``, ``dataset.files`` and ``global_batch.blend``, and the
+header and per-step sha256 (``planner.planfile.checksum``)."""
 TRAIN = "train"
 EVAL = "eval"
 PLAN_KINDS = (TRAIN, EVAL)
@@ -43,6 +46,7 @@ COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
 )
 COLUMN_NAMES = tuple(name for name, _ in COLUMNS)
 NUMPY_DTYPES = {name: np.dtype(t.to_pandas_dtype()) for name, t in COLUMNS}
+_TYPES = dict(COLUMNS)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -129,11 +133,11 @@ class PlanHeader:
         if not isinstance(d, dict):
             raise ValueError(f"{source}: header is not a JSON object")
         version = d.get("format_version")
-        if version not in READABLE_VERSIONS:
+        if version not in READABLE_VERSIONS or type(version) is not int:
+            readable = ", ".join(str(v) for v in READABLE_VERSIONS)
             raise ValueError(
                 f"{source}: plan format version {version!r} is not supported "
-                f"(this dcp-planner reads versions "
-                f"{', '.join(str(v) for v in READABLE_VERSIONS)})"
+                f"(this dcp-planner reads versions {readable})"
             )
         try:
             return cls(
@@ -158,11 +162,27 @@ class PlanHeader:
 
 
 def arrow_schema(header: PlanHeader) -> pa.Schema:
-    """The plan's Arrow schema with the header attached as metadata."""
+    """The plan's Arrow schema with the header (and its sha256) attached as metadata."""
+    text = header.to_json().encode()
     return pa.schema(
         [pa.field(n, t, nullable=False) for n, t in COLUMNS],
-        metadata={HEADER_KEY: header.to_json().encode()},
+        metadata={HEADER_KEY: text, HEADER_CHECKSUM_KEY: header_digest(text).encode()},
     )
+
+
+def check_schema(schema: pa.Schema, source: str) -> None:
+    """Raise ValueError unless ``schema`` has every plan column with its exact type.
+
+    Column data is read as raw buffers of the expected width (``column_numpy``), so a column of
+    another type would be read as garbage rather than refused.
+    """
+    for name, typ in COLUMNS:
+        if name not in schema.names:
+            raise ValueError(f"{source}: plan lacks column {name!r}")
+        f = schema.field(name)
+        if f.type != typ or f.nullable:
+            raise ValueError(f"{source}: plan column {name!r} has type {f.type}"
+                             f"{' (nullable)' if f.nullable else ''}, expected non-null {typ}")
 
 
 def fingerprint_lengths(lengths: NDArray[np.integer]) -> str:
@@ -192,6 +212,9 @@ def column_numpy(batch: pa.RecordBatch, name: str) -> NDArray[Any]:
     col = batch.column(name)
     if col.null_count:
         raise ValueError(f"plan column {name!r} holds nulls")
+    want = _TYPES.get(name)
+    if want is not None and col.type != want:
+        raise ValueError(f"plan column {name!r} has type {col.type}, expected {want}")
     dtype = NUMPY_DTYPES.get(name) or np.dtype(col.type.to_pandas_dtype())
     data = col.buffers()[1]
     if data is None:

@@ -287,6 +287,8 @@ def validate(
     num_steps = len(steps)
     if num_steps != header.num_steps:
         err.add(f"file holds {num_steps} steps, header epochs list {header.num_steps}")
+    elif num_steps == 0:
+        err.add("the plan has no steps (nothing to train)")
     err.raise_if_any(source)
     for e, (first, count) in enumerate(header.epochs):
         coverage = Coverage(header, e)

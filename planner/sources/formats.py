@@ -37,7 +37,12 @@ LIST_FIELDS = frozenset({"input_ids", "tokens"})
 """Fields that must hold token lists (length = number of tokens)."""
 INT_FIELDS = frozenset({"length", "num_tokens"})
 """Fields that must hold an integer length."""
-MAX_LENGTH = 2**63 - 1
+MAX_LENGTH = 2**31 - 1
+"""The longest sample any plan can hold: a segment row's ``num_tokens`` and TE's ``cu_seqlens``
+are int32. A longer record is a bad record (named, or skipped), refused before anything is
+allocated per token or per segment."""
+ARROW_ERRORS = (pa.ArrowException, OSError, EOFError)
+"""What pyarrow raises for a damaged file: a corrupt page or a truncated stream is an OSError."""
 
 CHUNK_BYTES = 1 << 24
 """Bytes per read in the line-oriented readers: bounds memory to a few chunks for any file size."""
@@ -162,11 +167,14 @@ def _batch_lengths(path: str, batch: pa.RecordBatch, columns: list[tuple[str, bo
         if null_token[i]:
             pos = batch.column(name)[i].as_py().index(None)
             return where, f"{name!r} holds a null token at position {pos}"
+        if out[i] > MAX_LENGTH:
+            return where, (f"{name!r} is {out[i]}, more than the {MAX_LENGTH} tokens a plan "
+                           "holds per sample")
         if is_list:
             return where, f"{name!r} is empty"
         return where, f"{name!r} is {out[i]}; lengths must be positive"
 
-    bad_rows = np.flatnonzero((source < 0) | (out <= 0) | null_token)
+    bad_rows = np.flatnonzero((source < 0) | (out <= 0) | (out > MAX_LENGTH) | null_token)
     bad.add_rows(row0 + bad_rows, lambda row: describe(row - row0))
     out[bad_rows] = 0
     return out
@@ -180,8 +188,8 @@ def _read_batches(path: str, batches: Iterator[pa.RecordBatch],
         for batch in batches:
             parts.append(_batch_lengths(path, batch, columns, row0, bad))
             row0 += batch.num_rows
-    except pa.ArrowException as e:  # e.g. a uint64 length past int64, a corrupt page
-        raise ValueError(f"{path}: {e}") from None
+    except ARROW_ERRORS as e:  # e.g. a uint64 length past int64, a corrupt page, truncation
+        raise ValueError(f"{path}: unreadable after row {row0} ({e})") from None
     return np.concatenate(parts)
 
 
@@ -189,7 +197,7 @@ def read_parquet(path: str, field: str | None, bad: BadRecords) -> NDArray[np.in
     """Lengths from a Parquet file, reading only the length columns, one row group at a time."""
     try:
         pf = pq.ParquetFile(path)
-    except pa.ArrowException as e:
+    except ARROW_ERRORS as e:
         raise ValueError(f"{path}: not a Parquet file ({e})") from None
     with pf:
         columns = _pick_columns(path, pf.schema_arrow, field)
@@ -205,11 +213,11 @@ def read_arrow(path: str, field: str | None, bad: BadRecords) -> NDArray[np.int6
             batches: Iterator[pa.RecordBatch] = (
                 reader.get_batch(i) for i in range(reader.num_record_batches))
             schema = reader.schema
-        except pa.ArrowInvalid:
+        except ARROW_ERRORS:
             source.seek(0)
             try:
                 stream = ipc.open_stream(source)
-            except pa.ArrowInvalid as e:
+            except ARROW_ERRORS as e:
                 raise ValueError(f"{path}: not an Arrow IPC file or stream ({e})") from None
             batches, schema = iter(stream), stream.schema
         return _read_batches(path, batches, _pick_columns(path, schema, field), bad)

@@ -57,7 +57,8 @@ def _value_length(name: str, value: object) -> int | str:
     if type(value) is int and name not in LIST_FIELDS:
         if value <= 0:
             return f"{name!r} is {value}; lengths must be positive"
-        return value if value <= MAX_LENGTH else f"{name!r} is {value}, larger than int64"
+        return value if value <= MAX_LENGTH else (
+            f"{name!r} is {value}, more than the {MAX_LENGTH} tokens a plan holds per sample")
     want = ("a list of token ids" if name in LIST_FIELDS else "an integer length"
             if name in INT_FIELDS else "a list of token ids or an integer length")
     return f"{name!r} is {_short(value)}, not {want}"
@@ -114,6 +115,9 @@ def read_jsonl(path: str, field: str | None, bad: BadRecords) -> tuple[
         state = np.empty(len(ends), dtype=np.int8)
         length = np.empty(len(ends), dtype=np.int64)
         scan_chunk(a, ends, names, bounds, kinds, state, length)
+        # Absurd lengths take the reference path, which names the line (before any planning
+        # allocates per token or per segment).
+        state[(state != BLANK) & (length > MAX_LENGTH)] = CHECK
         record = state != BLANK
         check = np.flatnonzero(state == CHECK)
         if len(check):

@@ -155,7 +155,8 @@ def _text_lines(path: str, chunk: bytes, line0: int, sample0: int,
             try:
                 value = int(fields[0])
                 problem = ("" if 0 < value <= MAX_LENGTH else f"length {value} is not positive"
-                           if value <= 0 else f"length {value} does not fit int64")
+                           if value <= 0 else f"length {value} is more than the {MAX_LENGTH} "
+                           "tokens a plan holds per sample")
             except ValueError:
                 text = fields[0].decode("utf-8", "replace")
                 problem = f"{text[:40]!r} is not an integer length"
@@ -180,7 +181,7 @@ def _read_text(path: str, bad: BadRecords) -> NDArray[np.int64]:
                 values = np.array(bytes(chunk).split(), dtype=np.int64)
             except (ValueError, OverflowError):
                 values = None
-        if values is None or not np.all(values > 0):
+        if values is None or not np.all((values > 0) & (values <= MAX_LENGTH)):
             values = _text_lines(path, bytes(chunk), line0, sample0, bad)
         parts.append(values)
         line0 += len(ends)

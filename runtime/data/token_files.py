@@ -24,7 +24,7 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 from numpy.typing import NDArray
 
-from planner.sources.formats import DEFAULT_FIELDS, LIST_FIELDS
+from planner.sources.formats import ARROW_ERRORS, DEFAULT_FIELDS, LIST_FIELDS
 from planner.sources.lengths import read_megatron_index
 from runtime.data.shard import ranges_to_indices
 
@@ -111,7 +111,21 @@ class MegatronTokens:
         # Byte pointers -> element offsets into the memmapped .bin.
         self._starts = np.asarray(pointers, dtype=np.int64) // self._dtype.itemsize
         path = self.prefix + ".bin"
-        self._bin = (np.memmap(path, dtype=self._dtype, mode="r") if os.path.getsize(path)
+        try:
+            size = os.path.getsize(path)
+        except OSError as e:
+            raise ValueError(f"{path}: cannot open the Megatron token file ({e.strerror})"
+                             ) from None
+        # The index addresses every sequence's tokens: a .bin truncated or replaced after
+        # planning fails here, naming the file, not as an IndexError inside a training step.
+        ends = self._starts + self._lengths
+        need = int(ends.max()) * self._dtype.itemsize if len(ends) else 0
+        if size < need:
+            last = int(np.argmax(ends * self._dtype.itemsize > size))
+            raise ValueError(f"{path}: holds {size} bytes, its index addresses {need} (sequence "
+                             f"{last} and later lie past the end: truncated?)")
+        usable = size // self._dtype.itemsize
+        self._bin = (np.memmap(path, dtype=self._dtype, mode="r", shape=(usable,)) if usable
                      else np.zeros(0, self._dtype))
 
     @property
@@ -149,6 +163,15 @@ class ArrowTokens:
                  cache_bytes: int = 256 << 20) -> None:
         self.path = Path(path)
         self._parquet = self.path.suffix in (".parquet", ".pq")
+        try:
+            self._open(column)
+        except ARROW_ERRORS as e:
+            raise ValueError(f"{self.path}: unreadable ({e})") from None
+        self._cache_bytes = cache_bytes if self._parquet else 1 << 62
+        self._cached = 0
+        self._lengths: NDArray[np.int64] | None = None
+
+    def _open(self, column: str | None) -> None:
         if self._parquet:
             self._pq = pq.ParquetFile(str(self.path), memory_map=True)
             schema = self._pq.schema_arrow
@@ -159,13 +182,13 @@ class ArrowTokens:
             try:
                 reader = ipc.open_file(source)
                 self._batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
-            except pa.ArrowInvalid:
+            except ARROW_ERRORS:
                 # The stream format has no footer to seek by; its batches still point into the
                 # memory map, so holding them all costs no copy.
                 source.seek(0)
                 try:
                     reader = ipc.open_stream(source)
-                except pa.ArrowInvalid as e:
+                except ARROW_ERRORS as e:
                     raise ValueError(f"{self.path}: not an Arrow IPC file or stream ({e})"
                                      ) from None
                 self._batches = list(reader)
@@ -186,10 +209,7 @@ class ArrowTokens:
         self._cache: OrderedDict[int, tuple[NDArray[np.int64], NDArray[np.int64],
                                             NDArray[np.integer]]] = OrderedDict()
         # IPC chunks are views of the memory map: keep them all. Decoded Parquet row groups are
-        # copies: keep the most recently used ones up to ``cache_bytes``.
-        self._cache_bytes = cache_bytes if self._parquet else 1 << 62
-        self._cached = 0
-        self._lengths: NDArray[np.int64] | None = None
+        # copies: keep the most recently used ones up to ``cache_bytes`` (set by __init__).
 
     def _chunk(self, i: int) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.integer]]:
         """(offsets, lengths, values) of chunk i (record batch or row group) as numpy arrays.
@@ -202,7 +222,10 @@ class ArrowTokens:
             self._cache.move_to_end(i)
             return hit
         if self._parquet:
-            arr = self._pq.read_row_group(i, columns=[self.column]).column(0).combine_chunks()
+            try:
+                arr = self._pq.read_row_group(i, columns=[self.column]).column(0).combine_chunks()
+            except ARROW_ERRORS as e:  # a corrupt page: "Corrupt snappy compressed data."
+                raise ValueError(f"{self.path}: row group {i} is unreadable ({e})") from None
         else:
             arr = self._batches[i].column(self.column)
         # ``offsets`` honours the array's slice offset and indexes into ``values``; both are

@@ -26,7 +26,16 @@ from planner.sources.lengths import jsonl_index
 from runtime.data.token_files import TOKEN_FIELDS, ArrayTokens, check_read
 
 INDEX_SUFFIX = ".dcpidx"
-INDEX_VERSION = 1
+INDEX_VERSION = 2
+"""2: the arrays carry a sha256 (``digest``): npz members are read without their zip CRC, so a
+flipped byte would otherwise seek to the wrong record."""
+
+
+def _digest(*arrays: NDArray[np.int64]) -> str:
+    h = hashlib.sha256(b"dcpidx-v2\0")
+    for a in arrays:
+        h.update(np.ascontiguousarray(a, dtype="<i8").data)
+    return h.hexdigest()
 
 
 def _record_tokens(raw: bytes, field: str | None) -> list[int]:
@@ -83,14 +92,23 @@ class JsonlTokens:
 
     def _load_cache(self) -> tuple[NDArray[np.int64], ...] | None:
         for p in self._candidates():
+            if not p.is_file():
+                continue
             try:
                 with np.load(p, allow_pickle=False) as z:
                     if str(z["key"]) != self._key:
-                        continue
-                    self.index_path = p
-                    return z["offsets"], z["nbytes"], z["lengths"]
-            except (OSError, KeyError, ValueError):
-                continue  # absent, unreadable or foreign: try the next place, then rebuild
+                        continue  # stale (the file changed) or built with other options
+                    arrays = tuple(np.asarray(z[k]) for k in ("offsets", "nbytes", "lengths"))
+                    digest = str(z["digest"])
+            except Exception:  # noqa: BLE001 - a damaged npz raises BadZipFile, EOFError, ...
+                # A cache is never worth a failed run: rebuild it (and overwrite the bad one).
+                continue
+            n = len(arrays[0])
+            if any(a.dtype != np.int64 or a.ndim != 1 or len(a) != n for a in arrays) or \
+                    digest != _digest(*arrays):
+                continue  # damaged inside a valid zip: rebuild
+            self.index_path = p
+            return arrays
         return None
 
     def _write_cache(self, offsets: NDArray[np.int64], nbytes: NDArray[np.int64],
@@ -103,7 +121,9 @@ class JsonlTokens:
                 continue  # directory not writable: next candidate
             try:
                 with os.fdopen(fd, "wb") as f:
-                    np.savez(f, key=np.array(self._key), offsets=offsets, nbytes=nbytes,
+                    np.savez(f, key=np.array(self._key),
+                             digest=np.array(_digest(offsets, nbytes, lengths)),
+                             offsets=offsets, nbytes=nbytes,
                              lengths=lengths)
                 os.replace(tmp, p)
             except BaseException:
@@ -130,7 +150,12 @@ class JsonlTokens:
         except ValueError as e:
             raise ValueError(f"{self.path}: record of sample {sample_index} (byte "
                              f"{int(self._offsets[sample_index])}) does not decode: {e}") from None
-        return np.asarray(toks[offset:offset + length], dtype=np.int64)
+        try:
+            return np.asarray(toks[offset:offset + length], dtype=np.int64)
+        except (OverflowError, TypeError, ValueError) as e:
+            raise ValueError(f"{self.path}: record of sample {sample_index} (byte "
+                             f"{int(self._offsets[sample_index])}) holds a token that is not "
+                             f"an int64 token id ({e})") from None
 
     def close(self) -> None:
         self._file.close()

@@ -162,13 +162,14 @@ class ConcatTokens:
                 close()
 
 
-def _open_one(p: Path, **kwargs: object) -> TokenSource:
+def _open_one(p: Path, *, skip_bad_records: bool = False, **kwargs: object) -> TokenSource:
     suffix = p.suffix.lower()
     if is_compressed(p):
-        opts = {k: v for k, v in kwargs.items() if k in ("field", "skip_bad_records")}
-        return decode_compressed_jsonl(p, **opts)  # type: ignore[arg-type]
+        opts = {k: v for k, v in kwargs.items() if k == "field"}
+        return decode_compressed_jsonl(p, skip_bad_records=skip_bad_records,
+                                       **opts)  # type: ignore[arg-type]
     if suffix in (".jsonl", ".json"):
-        return JsonlTokens(p, **kwargs)  # type: ignore[arg-type]
+        return JsonlTokens(p, skip_bad_records=skip_bad_records, **kwargs)  # type: ignore[arg-type]
     if suffix in (".arrow", ".feather", ".ipc", ".parquet", ".pq"):
         return ArrowTokens(p, **kwargs)  # type: ignore[arg-type]
     if suffix in (".bin", ".idx"):
@@ -180,20 +181,25 @@ def _open_one(p: Path, **kwargs: object) -> TokenSource:
 
 
 def open_token_source(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
-                      **kwargs: object) -> TokenSource:
+                      *, skip_bad_records: bool = False, **kwargs: object) -> TokenSource:
     """Open a dataset by extension: .jsonl/.json (also .gz/.zst), .arrow/.feather/.ipc,
     .parquet/.pq, or a Megatron ``.bin``/``.idx`` (either file, or the prefix without suffix);
     or several of these, a directory or a glob (in ``planner.sources.dataset``'s order) as one
-    source."""
+    source.
+
+    ``skip_bad_records`` reads the dataset as ``dcp-plan --skip-bad-records`` did: a bad JSONL
+    record becomes an empty sample instead of an error (the columnar and Megatron sources
+    always give bad records length 0, as the planner counts them when skipping).
+    """
     items = [os.fspath(path)] if isinstance(path, (str, os.PathLike)) else [
         os.fspath(p) for p in path]
     files = [f for f, _ in expand_paths(items, DATASET_SUFFIXES)]
     if len(files) == 1 and len(items) == 1 and files[0] == items[0]:
-        return _open_one(Path(files[0]), **kwargs)
+        return _open_one(Path(files[0]), skip_bad_records=skip_bad_records, **kwargs)
     sources: list[TokenSource] = []
     try:
         for f in files:
-            sources.append(_open_one(Path(f), **kwargs))
+            sources.append(_open_one(Path(f), skip_bad_records=skip_bad_records, **kwargs))
     except BaseException:
         for s in sources:
             close = getattr(s, "close", None)

@@ -28,6 +28,7 @@ waiting on it and the warm-up cannot deadlock.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -70,6 +71,7 @@ class GroupCatalog:
         *,
         backend: str | None = None,
         warmup: bool = True,
+        timeout: timedelta | None = None,
     ) -> GroupCatalog:
         """Create every group of the catalog (a collective: call it on every rank, same args).
 
@@ -79,6 +81,8 @@ class GroupCatalog:
             backend: backend for the new groups; None uses the default group's.
             warmup: run one all-reduce in each group this rank belongs to, so that lazy
                 communicator setup happens here and not inside the first training step.
+            timeout: timeout of every group's collectives (``--distributed-timeout-minutes``);
+                None keeps torch's default for the backend (30 min for gloo).
 
         Raises:
             ValueError: a size is not valid for the pool, or the live world is not the topology's.
@@ -96,7 +100,7 @@ class GroupCatalog:
         me = topology.rank
 
         def new(ranks: list[int]) -> dist.ProcessGroup | None:
-            group: dist.ProcessGroup = dist.new_group(ranks, backend=backend)
+            group: dist.ProcessGroup = dist.new_group(ranks, backend=backend, timeout=timeout)
             log.append(tuple(ranks))
             if me in ranks:
                 mine.append(group)

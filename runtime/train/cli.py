@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -38,6 +39,7 @@ from planner.sources.dataset import parse_data_path
 from runtime.adapters import FRAMEWORKS, load_launcher
 from runtime.train.backends import ATTENTIONS
 from runtime.train.common import DTYPES, TrainConfig, init_process_group
+from runtime.train.guards import Terminated, describe_dist_error, raise_terminated
 from runtime.train.model import (
     MODEL_FLAGS,
     GPTConfig,
@@ -106,6 +108,12 @@ def _parser() -> argparse.ArgumentParser:
                     "(0: only after the last)")
     ev.add_argument("--eval-steps", type=int, default=0, metavar="M",
                     help="evaluate only the eval plan's first M steps (0: all of it)")
+    p.add_argument("--skip-nonfinite-steps", action="store_true",
+                   help="skip the update of a step whose loss or gradients are NaN/inf "
+                   "(default: stop with an error naming the step)")
+    p.add_argument("--distributed-timeout-minutes", type=float, default=10.0, metavar="MIN",
+                   help="timeout of every process group: a stalled rank ends the job "
+                   "(default 10)")
     add_model_arguments(p)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
                    help="fp32, or bf16 autocast with fp32 master weights")
@@ -152,7 +160,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, GPTConfi
                           save=a.save, save_every=a.save_every, resume=a.resume, quiet=a.quiet,
                           json=a.json, summary_json=a.summary_json,
                           eval_plan=a.eval_plan, eval_dataset=a.eval_dataset,
-                          eval_interval=a.eval_interval, eval_steps=a.eval_steps)
+                          eval_interval=a.eval_interval, eval_steps=a.eval_steps,
+                          skip_nonfinite_steps=a.skip_nonfinite_steps,
+                          distributed_timeout_minutes=a.distributed_timeout_minutes)
     except ValueError as e:
         p.error(flag_message(str(e), TRAIN_FLAGS))
     return cfg, model_config, a.reference, a.framework
@@ -162,6 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``dcp-train``; returns the process exit status."""
     cfg, model_config, reference, framework = parse_args(argv)
     torch.manual_seed(cfg.seed)
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
     try:
         if framework != "native":
             launch = load_launcher(framework)
@@ -179,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError("--reference runs in one process; launch it without torchrun")
             train_reference(cfg, model_config)
             return 0
-        created = init_process_group(cfg.device)
+        created = init_process_group(cfg.device, cfg.distributed_timeout_minutes)
         try:
             trainer = Trainer(cfg, model_config)
             try:
@@ -192,8 +203,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"dcp-train: error: {flag_message(str(e), TRAIN_FLAGS)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("dcp-train: interrupted", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, Terminated) as e:
+        signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
+        print(f"dcp-train: interrupted by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
+    except RuntimeError as e:  # a collective that timed out or lost its peer
+        message = describe_dist_error(e, cfg.distributed_timeout_minutes)
+        if message is None:
+            raise
+        print(f"dcp-train: error: {message}", file=sys.stderr)
+        return 3
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 

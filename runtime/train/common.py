@@ -13,6 +13,7 @@ import os
 import sys
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
 
@@ -84,6 +85,11 @@ class TrainConfig:
     def dataset_paths(self) -> tuple[str, ...]:
         """What ``open_token_source`` opens: ``datasets``, else ``dataset``."""
         return self.datasets or (self.dataset,)
+    skip_nonfinite_steps: bool = False
+    """Skip the update of a step whose loss or gradients are not finite (logged) instead of
+    stopping the run."""
+    distributed_timeout_minutes: float = 10.0
+    """Timeout of every process group (Megatron's flag): a stalled rank ends the job."""
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTIONS:
@@ -102,6 +108,9 @@ class TrainConfig:
                              "made for)")
         if not self.eval_plan and (self.eval_dataset or self.eval_interval or self.eval_steps):
             raise ValueError("--eval-dataset, --eval-interval and --eval-steps need --eval-plan")
+        if not self.distributed_timeout_minutes > 0:
+            raise ValueError("--distributed-timeout-minutes must be > 0, got "
+                             f"{self.distributed_timeout_minutes}")
         # The torch path also runs on CPU, with an SDPA stand-in for the CUDA kernel (tests).
         if self.attention == "te" and self.device != "cuda":
             raise ValueError("--attention te needs --device cuda")
@@ -117,12 +126,18 @@ class StepLog:
     loss_tokens: int
     microbatches: int
     seconds: float
+    skipped: bool = False
+    """The step's loss or gradients were not finite and its update was skipped."""
 
     def to_json(self) -> str:
-        return json.dumps({"step": self.step, "loss": self.loss, "tokens": self.tokens,
-                           "loss_tokens": self.loss_tokens, "microbatches": self.microbatches,
-                           "seconds": round(self.seconds, 6),
-                           "tokens_per_s": round(self.tokens / max(self.seconds, 1e-9), 1)})
+        d: dict[str, Any] = {
+            "step": self.step, "loss": self.loss, "tokens": self.tokens,
+            "loss_tokens": self.loss_tokens, "microbatches": self.microbatches,
+            "seconds": round(self.seconds, 6),
+            "tokens_per_s": round(self.tokens / max(self.seconds, 1e-9), 1)}
+        if self.skipped:
+            d["skipped"] = True
+        return json.dumps(d)
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +196,12 @@ def autocast_context(cfg: TrainConfig, device: torch.device) -> AbstractContextM
     if cfg.dtype == "fp32":
         return nullcontext()
     return torch.autocast(device_type=device.type, dtype=DTYPES[cfg.dtype])
+
+
+def plan_skips_records(reader: PlanReader) -> bool:
+    """True if the plan was made with ``--skip-bad-records`` and skipped some: the token source
+    must then read bad records as empty samples, as the planner counted them."""
+    return int(reader.header.stats.get("skipped_bad_records", 0) or 0) > 0
 
 
 def checkpoint_meta(model_config: GPTConfig, reader: PlanReader) -> dict[str, Any]:
@@ -294,16 +315,26 @@ def resolve_device(cfg: TrainConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def init_process_group(device: str) -> bool:
-    """Join the torchrun world (env://), or make a world of one; True if this call created it."""
+def pg_timeout(minutes: float) -> timedelta:
+    """The timeout given to every process group (``--distributed-timeout-minutes``)."""
+    return timedelta(minutes=minutes)
+
+
+def init_process_group(device: str, timeout_minutes: float = 10.0) -> bool:
+    """Join the torchrun world (env://), or make a world of one; True if this call created it.
+
+    ``timeout_minutes`` bounds every collective of the default group (groups made later take
+    it too: ``GroupCatalog.create(timeout=...)``); torch's own default for gloo is 30 min.
+    """
     if dist.is_initialized():
         return False
     backend = "nccl" if device == "cuda" else "gloo"
+    timeout = pg_timeout(timeout_minutes)
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
     else:
         store = dist.HashStore()  # type: ignore[attr-defined]
-        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
     return True

@@ -34,10 +34,12 @@ from runtime.train.common import (
     build_optimizer,
     checkpoint_meta,
     copy_final_state,
+    plan_skips_records,
     resolve_device,
     should_evaluate,
     step_range,
 )
+from runtime.train.guards import nonfinite_ok
 from runtime.train.model import GPT, GPTConfig, check_token_ids, sequence_attention
 
 
@@ -100,7 +102,7 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
     """The oracle: every sequence alone, full causal attention, loss = sum / count per step."""
     device = resolve_device(cfg)
     reader = PlanReader(cfg.plan)
-    source = open_token_source(cfg.dataset_paths)
+    source = open_token_source(cfg.dataset_paths, skip_bad_records=plan_skips_records(reader))
     reader.check_dataset(source.lengths())
     eval_reader = eval_source = None
     if cfg.eval_plan:
@@ -140,10 +142,15 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
             for p in model.parameters():
                 if p.grad is not None:
                     p.grad.div_(max(count, 1.0))
-            optimizer.step()
+            skipped = not nonfinite_ok(
+                step, total / max(count, 1.0),
+                [p.grad for p in model.parameters() if p.grad is not None],
+                skip=cfg.skip_nonfinite_steps)
+            if not skipped:
+                optimizer.step()
             log = StepLog(step=step, loss=total / max(count, 1.0), tokens=tokens,
                           loss_tokens=int(count), microbatches=0,
-                          seconds=time.perf_counter() - t0)
+                          seconds=time.perf_counter() - t0, skipped=skipped)
             result.logs.append(log)
             logger.write(log)
             if eval_reader is not None and eval_source is not None \

@@ -67,11 +67,14 @@ from runtime.train.common import (
     build_optimizer,
     checkpoint_meta,
     copy_final_state,
+    pg_timeout,
+    plan_skips_records,
     resolve_device,
     should_evaluate,
     step_range,
 )
 from runtime.train.evaluate import Evaluator
+from runtime.train.guards import nonfinite_ok
 from runtime.train.loss import per_token_loss
 from runtime.train.model import GPTConfig, check_token_ids
 
@@ -94,7 +97,10 @@ class Trainer:
             reader = PlanReader(cfg.plan)
             self._owned.append(reader)
         if source is None:
-            source = open_token_source(cfg.dataset_paths)
+            # A plan made with --skip-bad-records counts those records as empty samples; the
+            # source must read the dataset the same way, or the first bad line stops training.
+            source = open_token_source(cfg.dataset_paths,
+                                       skip_bad_records=plan_skips_records(reader))
             self._owned.append(source)
         self.reader = reader
         self.source = source
@@ -109,7 +115,8 @@ class Trainer:
                              "pipeline parallelism (tp = pp = 1 only)")
         if catalog is None:
             # Collective: every rank creates every group of the catalog, in catalog order.
-            catalog = GroupCatalog.create(self.topology, header.cp_sizes)
+            catalog = GroupCatalog.create(self.topology, header.cp_sizes,
+                                          timeout=pg_timeout(cfg.distributed_timeout_minutes))
         elif catalog.topology != self.topology:
             raise ValueError(f"catalog built for {catalog.topology}, the plan needs "
                              f"{self.topology}")
@@ -173,13 +180,18 @@ class Trainer:
             dist.all_reduce(totals, group=self.pool_group)
         global_sum, global_count = totals.tolist()
         self._reduce_gradients(max(global_count, 1.0))
-        self.optimizer.step()
+        # Every rank holds the same reduced loss and gradients, so all decide alike.
+        skipped = not nonfinite_ok(step, global_sum / max(global_count, 1.0),
+                                   [p.grad for p in model.parameters() if p.grad is not None],
+                                   skip=self.cfg.skip_nonfinite_steps)
+        if not skipped:
+            self.optimizer.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         tokens = int(np.asarray(self.reader.step(step).num_tokens, dtype=np.int64).sum())
         return StepLog(step=step, loss=global_sum / max(global_count, 1.0), tokens=tokens,
                        loss_tokens=int(global_count), microbatches=len(microbatches),
-                       seconds=time.perf_counter() - t0)
+                       seconds=time.perf_counter() - t0, skipped=skipped)
 
     def _reduce_gradients(self, global_count: float) -> None:
         """Sum every gradient over the pool (one async all-reduce each), then divide by count."""

@@ -118,7 +118,13 @@ def cases(draw: st.DrawFn) -> tuple[LengthTable, PlannerConfig]:
 def test_random_plans_are_valid_and_deterministic(case: tuple[LengthTable, PlannerConfig]
                                                   ) -> None:
     tab, cfg = case
-    plan = make_plan(tab, cfg, COST)
+    try:
+        plan = make_plan(tab, cfg, COST)
+    except ValueError as e:
+        # Only a plan with no step at all is refused (too few samples for one global batch).
+        assert "the plan would have no steps" in str(e)  # noqa: PT017
+        assert cfg.drop_last or not (tab.lengths > 0).any()
+        return
     check_plan(plan, tab, cfg)
     stats = plan.header.stats
     real = sum(int(s["num_tokens"].sum()) for s in plan.steps)

@@ -114,7 +114,7 @@ def test_write_is_deterministic_and_atomic(tmp_path) -> None:  # noqa: ANN001
     target = tmp_path / "c.arrow"
     target.write_bytes(b"old plan")
     with pytest.raises(RuntimeError):
-        write_plan(target, h, failing())
+        write_plan(target, h, failing(), check=False, overwrite=True)
     assert target.read_bytes() == b"old plan"
     assert sorted(os.listdir(tmp_path)) == ["a.arrow", "b.arrow", "c.arrow"]
 
@@ -123,7 +123,7 @@ def test_header_is_a_json_object_under_one_key() -> None:
     import json
 
     meta = arrow_schema(handmade.header()).metadata
-    assert list(meta) == [b"dcp.plan"]
+    assert list(meta) == [b"dcp.plan", b"dcp.plan.sha256"]
     d = json.loads(meta[b"dcp.plan"])
     for key in ("format_version", "dataset", "parallel", "capacity_tokens_per_rank", "cp_sizes",
                 "layout", "global_batch", "seed", "cost_model", "stats"):
