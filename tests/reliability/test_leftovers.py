@@ -24,11 +24,11 @@ from tests.reliability.helpers import ROOT
 _WRITER = """
 import signal, sys, time
 from pathlib import Path
-from planner import cli
+from planner import cliguard
 from planner.planfile.io import write_plan
 from planner.planfile.schema import arrow_schema, step_batch
 from tests.planner.planfile import handmade
-signal.signal(signal.SIGTERM, cli._terminate)
+signal.signal(signal.SIGTERM, cliguard.terminate)
 h = handmade.header()
 schema = arrow_schema(h)
 def steps():
@@ -38,7 +38,7 @@ def steps():
         time.sleep(60)
 try:
     write_plan(Path(sys.argv[1]), h, steps(), check=False)
-except (KeyboardInterrupt, cli.Terminated):
+except (KeyboardInterrupt, cliguard.Terminated):
     sys.exit(130)
 """
 
