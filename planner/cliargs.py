@@ -218,28 +218,3 @@ def emit_summary(summary: Mapping[str, Any], text: str, *, as_json: bool, json_p
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-
-
-def int_list(text: str) -> tuple[int, ...]:
-    """argparse type: a comma-separated list of ints (``1,2,4``)."""
-    try:
-        return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a comma-separated list of ints such as 1,2,4, got {text!r}") from None
-
-
-def step_range(text: str) -> tuple[int, int | None]:
-    """``A:B``, ``A:`` or ``:B`` (steps A..B-1), or ``A`` (that step only)."""
-    a, colon, b = text.partition(":")
-    try:
-        lo = int(a) if a.strip() else 0
-        hi = int(b) if b.strip() else None
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a step range A:B such as 0:10 (or A: or :B), got {text!r}") from None
-    if not colon:
-        hi = lo + 1
-    if lo < 0 or (hi is not None and hi < lo):
-        raise argparse.ArgumentTypeError(f"expected 0 <= A <= B in A:B, got {text!r}")
-    return lo, hi
