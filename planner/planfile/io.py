@@ -73,7 +73,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_stale_temps(path: Path) -> list[Path]:
-    """Remove ``.<name>.tmp-<pid>`` (and ``.spill-<pid>``) files beside ``path`` whose writer process is gone."""
+    """Remove ``.<name>.tmp-<pid>`` and ``.spill-<pid>`` files beside ``path`` whose writer
+    process is gone."""
     pattern = re.compile(rf"^\.{re.escape(path.name)}\.(?:tmp|spill)-(\d+)$")
     removed: list[Path] = []
     if not path.parent.is_dir():
@@ -314,9 +315,12 @@ def write_plan_stream(path: str | os.PathLike[str], steps: Iterable[dict[str, ND
     spill = path.with_name(f".{path.name}.spill-{os.getpid()}")
     plain = pa.schema([pa.field(n, t, nullable=False) for n, t in COLUMNS])
     try:
-        with pa.OSFile(str(spill), "wb") as sink, ipc.new_file(sink, plain) as writer:
-            for cols in steps:
-                writer.write_batch(step_batch(plain, cols))
+        try:
+            with pa.OSFile(str(spill), "wb") as sink, ipc.new_file(sink, plain) as writer:
+                for cols in steps:
+                    writer.write_batch(step_batch(plain, cols))
+        except OSError as e:  # a full disk while spilling: name the plan, leave nothing
+            raise ValueError(f"{path}: cannot write the plan: {e.strerror or e}") from None
         final = header()
         reader = _Spill(spill)
         try:
