@@ -6,8 +6,9 @@ this module decides which (M, T) to try:
 
 1. M starts at the fewest microbatches the tokens need, ceil(padded / (N C)), rounded up to the
    microbatch multiple (2, not 1, when one microbatch would be more than
-   ``SINGLE_MICROBATCH_FILL`` full), and grows until the kernel places every segment (balance
-   mode, then pack mode, at T = the step's malleable bound, bounds.py).
+   ``SINGLE_MICROBATCH_FILL`` full on a pool of ``SINGLE_MICROBATCH_MIN_POOL`` ranks or more),
+   and grows until the kernel places every segment (balance mode, then pack mode, at T = the
+   step's malleable bound, bounds.py).
 2. Then M + multiple x (1, 2, ...) (fast: +1, +2; balanced: up to +8; max: up to +32), skipping
    any whose own lower bound rules out a win, and a bisection below the winner. The step keeps
    the fewest microbatches whose time is within ``microbatch_tolerance`` of the fastest tried:
@@ -42,6 +43,7 @@ from planner.solver.step import (
     EXTRA_MICROBATCHES,
     HEAVY_SHARE,
     SINGLE_MICROBATCH_FILL,
+    SINGLE_MICROBATCH_MIN_POOL,
     SOLVER_NAME,
     SOLVER_VERSION,
     PackingParams,
@@ -148,10 +150,12 @@ def solve_step(problem: StepProblem) -> Placement:
     """The step's placement under the lexicographic objective (module docstring)."""
     p = problem.params
     m = min_microbatches(problem.tables, p)
-    if m == 1 and problem.fill(1) > SINGLE_MICROBATCH_FILL:
+    if (m == 1 and p.pool_size >= SINGLE_MICROBATCH_MIN_POOL
+            and problem.fill(1) > SINGLE_MICROBATCH_FILL):
         # One bin per rank this full packs badly: on the quality workloads and the Wikipedia
         # lengths at pools 8-1024, 87 such attempts (fill > 0.95) were never the step's choice
-        # and 77% of them failed after a full pass (two, balance and pack mode).
+        # and 77% of them failed after a full pass (two, balance and pack mode). Small pools
+        # still try (step.py: an exact fit can win, and the attempt is cheap there).
         m += p.microbatch_multiple
     best = problem.first_fit(m)
     while best is None:

@@ -42,8 +42,13 @@ PASS_BUDGET = {"fast": 0, "balanced": 1.5e8, "max": 6e8}
 # of the step's work: below it, 28 calls on the quality workloads gained 0.011% on average
 # (0.07% at best) while each cost 0.1-2 s; above 0.5, 0.12% on average and up to 2.2%.
 HEAVY_SHARE = 0.25
-# A step is not tried at a single microbatch when its tokens fill more than this of N x C.
+# A step is not tried at a single microbatch when its tokens fill more than this of N x C, on
+# pools of at least SINGLE_MICROBATCH_MIN_POOL ranks: there such attempts were never chosen and
+# cost 2 of 3 kernel passes per step (N = 1024). On small pools an attempt is cheap and can win
+# exactly: Megatron's own case, twelve 1024-token rows on 6 ranks of C = 2048 (fill 1.0), fits
+# in one microbatch, which Megatron's 2N padding rule turns into two.
 SINGLE_MICROBATCH_FILL = 0.95
+SINGLE_MICROBATCH_MIN_POOL = 64
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -111,6 +116,7 @@ class PackingParams:
                 "refine_gap": self.refine_gap,
                 "extra_microbatches": EXTRA_MICROBATCHES[self.effort],
                 "single_microbatch_fill": SINGLE_MICROBATCH_FILL,
+                "single_microbatch_min_pool": SINGLE_MICROBATCH_MIN_POOL,
                 "targets": [d if np.isfinite(d) else "inf" for d in self.deltas],
                 "cpsat": {"max_deterministic_time": self.cpsat_seconds,
                           "heavy_items": self.cpsat_items, "random_seed": self.seed,

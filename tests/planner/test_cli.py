@@ -152,6 +152,8 @@ def test_pad_to_multiple_seed_case_fits_one_microbatch(tmp_path: Path) -> None:
     assert all(total <= k * 2048 for (_, _, k), total in load.items())
     assert sum(p for p, s in zip(step["padded_tokens"], step["sample_index"], strict=True)
                if s >= 0) == 12 * 1024
+    # ... and, unlike Megatron's two, they take one microbatch: two rows on each rank.
+    assert set(step["microbatch"]) == {0}
 
 
 def test_pad_to_multiple_counts_in_capacity(tmp_path: Path) -> None:

@@ -33,7 +33,8 @@ def _run(args: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
 def test_version_and_defaults_in_help(prog: str) -> None:
     out = _run([str(BIN / prog), "--version"])
     assert out.returncode == 0
-    assert out.stdout.startswith(f"{prog} 0.") and "plan format 2" in out.stdout
+    assert out.stdout.startswith(f"{prog} 0.")
+    assert "plan format 2" in out.stdout
     text = _run([str(BIN / prog), "--help"]).stdout
     if prog == "dcp-plan":
         for want in ("validate", "show", "(default: zigzag)", "(default: balanced)",
@@ -42,7 +43,8 @@ def test_version_and_defaults_in_help(prog: str) -> None:
     else:
         # dcp-train's --vocab-size default was only in an error before.
         assert "(default: 256)" in " ".join(text.split())
-        assert "--num-layers" in text and "--num-attention-heads" in text
+        assert "--num-layers" in text
+        assert "--num-attention-heads" in text
 
 
 def test_subcommand_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
@@ -181,7 +183,8 @@ def test_progress_only_on_a_terminal(tmp_path: Path) -> None:
     args = [str(BIN / "dcp-plan"), str(SAMPLE), *BASE, "-o", str(tmp_path / "p.arrow")]
     status, out, shown = _with_tty(args)
     assert status == 0
-    assert "planning" in shown and "20/20" in shown   # 2,000 samples / 100 per step
+    assert "planning" in shown
+    assert "20/20" in shown
     assert "step/s" in shown or "s/step" in shown     # the rate
     assert "<" in shown                                # elapsed<remaining: the ETA
     assert "plan " in out                              # the summary still goes to stdout
@@ -201,7 +204,9 @@ def test_train_progress_on_a_terminal(tmp_path: Path) -> None:
     args = [str(BIN / "dcp-train"), "--plan", str(plan), "--steps", "3"]
     status, out, shown = _with_tty(args)
     assert status == 0, shown
-    assert "training" in shown and "3/3" in shown and "<" in shown
+    assert "training" in shown
+    assert "3/3" in shown
+    assert "<" in shown
     assert [json.loads(line)["step"] for line in out.splitlines()] == [0, 1, 2]
     piped = _run([*args, "--json"])
     assert piped.returncode == 0
@@ -209,5 +214,6 @@ def test_train_progress_on_a_terminal(tmp_path: Path) -> None:
     lines = [json.loads(line) for line in piped.stdout.splitlines()]
     assert [x.get("step") for x in lines[:3]] == [0, 1, 2]
     summary = lines[3]
-    assert summary["num_steps"] == 3 and summary["dataset"] == [str(data)]
+    assert summary["num_steps"] == 3
+    assert summary["dataset"] == [str(data)]
     assert summary["tokens"] == sum(x["tokens"] for x in lines[:3])

@@ -37,10 +37,14 @@ def test_repr_and_html_name_the_key_figures(tmp_path: Path) -> None:
     path = write_plan(tmp_path / "p.arrow", plan.header, plan.record_batches())
     view = read_plan(path)
     text = repr(view)
-    assert text.startswith("<PlanView ") and "object at 0x" not in text
-    assert f"{view.num_steps} (1 epoch(s))" in text and "dp 4 x cp 2 = 8" in text
+    assert text.startswith("<PlanView ")
+    assert "object at 0x" not in text
+    assert f"{view.num_steps} (1 epoch(s))" in text
+    assert "dp 4 x cp 2 = 8" in text
     page = view._repr_html_()
-    assert page.startswith("<table>") and "slot fill" in page and "lower bound" in page
+    assert page.startswith("<table>")
+    assert "slot fill" in page
+    assert "lower bound" in page
 
 
 def test_rank_time_and_token_shares_add_up(tmp_path: Path) -> None:
