@@ -3,27 +3,8 @@
 The packing rules live in planner/solver/static_cp.py (the planner scores them as a candidate
 for every step); this module plans whole datasets with them for the quality bench.
 
-Written from the behaviour of Megatron-LM's ``DpBalancedScheduler`` (megatron/core/datasets/
-data_schedule.py), not from its code:
-
-- The pool of N ranks is cut into G = N / cp groups of the static size cp in *every* microbatch:
-  group j holds ranks [j*cp, (j+1)*cp).
-- Every sequence is padded for its group size: to a multiple of 2*cp*tp' (zigzag; tp' at cp=1).
-- Order: none. Megatron packs "in their original order", the order in which the data-parallel
-  ranks delivered the global batch; ours is the drawn order of the global batch, the same thing.
-  No sort, so a long sequence closes a half-full bin as often as the data says.
-- Next-fit: fill a bin of capacity cp*C until the next sequence would overflow it, then open the
-  next bin. Bins are dealt to microbatches in order: microbatch m, group j gets bin m*G + j.
-- Bin count: Megatron wants a multiple of G (times the VPP microbatch group size); it moves the
-  last sequence of the tail bins that hold more than one into new single-sequence bins until the
-  count is a multiple. When too few bins can give a sequence (Megatron asserts), the remaining
-  groups of the last microbatch get a filler row (sample -1, the smallest padded length the
-  layout allows), so every rank still belongs to exactly one group.
-- A sequence longer than cp*C cannot run: ``StaticCPInfeasible`` names it and the smallest valid
-  static size that would hold every sample (the bench reports "static best-fitting cp").
-
-Static sizes are restricted to Megatron's dynamic sizes for N (powers of two dividing N, plus N):
-static CP 3 or 6 on N = 12 exists in Megatron but is not a valid ``cp_sizes`` entry of our format.
+The rules (written from the behaviour of Megatron-LM's ``DpBalancedScheduler``, not from its
+code) are listed in that module's docstring.
 """
 
 from __future__ import annotations
