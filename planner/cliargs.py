@@ -164,8 +164,11 @@ def flag_message(message: str, flags: Mapping[str, str]) -> str:
     """``message`` with Python field names (``long_sequences``) replaced by their flags.
 
     Library errors name fields, which is right for Python callers; a command line user needs the
-    flag. Only whole words are replaced, and only fields with a flag of their own.
+    flag. Only whole words are replaced, and only fields with a flag of their own whose name is
+    unmistakably a field (``long_sequences``, ``vpp=``): a plain word such as ``device`` or
+    ``steps`` is left alone, since it also occurs in ordinary text ("No space left on device").
     """
+    flags = {f: flag for f, flag in flags.items() if "_" in f or not f[-1].isalnum()}
     if not flags:
         return message
     # A key ending in a word character must end a word ("min_cp" not "min_cpu"); a key such as

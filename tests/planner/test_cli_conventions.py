@@ -217,3 +217,13 @@ def test_train_progress_on_a_terminal(tmp_path: Path) -> None:
     assert summary["num_steps"] == 3
     assert summary["dataset"] == [str(data)]
     assert summary["tokens"] == sum(x["tokens"] for x in lines[:3])
+
+
+def test_flag_message_renames_fields_not_plain_words() -> None:
+    from planner.cliargs import flag_message
+
+    flags = {"long_sequences": "--long-sequences", "device": "--device", "steps": "--steps"}
+    assert flag_message("use long_sequences split", flags) == "use --long-sequences split"
+    assert flag_message("x: [Errno 28] No space left on device", flags) == \
+        "x: [Errno 28] No space left on device"
+    assert flag_message("steps must be >= 0", flags) == "steps must be >= 0"
