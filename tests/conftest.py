@@ -1,0 +1,11 @@
+"""Test-suite settings shared by every folder."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+
+# No per-example deadline: on a loaded 2-core CI machine a pure-function example can take longer
+# than hypothesis's default 200 ms (DeadlineExceeded seen in tests/runtime/data/test_shard.py),
+# and these properties are about results, not speed (speed is measured in bench/).
+settings.register_profile("dcp", deadline=None)
+settings.load_profile("dcp")
