@@ -11,11 +11,8 @@ sample continues past it.
 
 from __future__ import annotations
 
-import functools
 import time
-from collections.abc import Iterator
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -34,7 +31,8 @@ from runtime.train.common import (
     resolve_device,
     should_evaluate,
 )
-from runtime.train.model import GPTConfig, check_token_ids
+from runtime.train.model import GPTConfig
+from runtime.train.oracle import sequences_of_step
 
 
 def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int) -> torch.Tensor:
@@ -43,25 +41,6 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                          is_causal=True, enable_gqa=True)
     return out.transpose(0, 1)
-
-
-def _segments(reader: PlanReader, source: TokenSource, step: int, vocab_size: int
-              ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(tokens, labels, loss mask) of every sample segment of ``step``, in plan order."""
-    plan = reader.step(step)
-    lengths = source.lengths()
-    for s, off, n in zip(plan.sample_index.tolist(), plan.token_offset.tolist(),
-                         plan.num_tokens.tolist(), strict=True):
-        if s < 0:
-            continue
-        extra = 1 if off + n < int(lengths[s]) else 0
-        read = torch.from_numpy(source.read(s, off, n + extra).astype(np.int64))
-        check_token_ids(read, vocab_size, functools.partial("step {} sample {}".format, step, s))
-        labels = torch.zeros(n, dtype=torch.int64)
-        labels[: n + extra - 1] = read[1:]
-        mask = torch.zeros(n, dtype=torch.float32)
-        mask[: n + extra - 1] = 1.0
-        yield read[:n], labels, mask
 
 
 def _evaluate(model: torch.nn.Module, reader: PlanReader, source: TokenSource, cfg: TrainConfig,
@@ -74,7 +53,7 @@ def _evaluate(model: torch.nn.Module, reader: PlanReader, source: TokenSource, c
     try:
         with torch.no_grad():
             for step in range(num_steps):
-                for seq, labels, mask in _segments(reader, source, step, vocab_size):
+                for seq, labels, mask in sequences_of_step(reader, source, step, vocab_size):
                     logits = _forward(model, seq.to(device), cfg)
                     losses = F.cross_entropy(logits[0].float(), labels.to(device),
                                              reduction="none")
@@ -126,7 +105,8 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig) -> TrainResult:
             t0 = time.perf_counter()
             optimizer.zero_grad(set_to_none=False)
             total, count, tokens = 0.0, 0.0, 0
-            for seq, labels, mask in _segments(reader, source, step, model_config.vocab_size):
+            segments = sequences_of_step(reader, source, step, model_config.vocab_size)
+            for seq, labels, mask in segments:
                 seq, labels, mask = seq.to(device), labels.to(device), mask.to(device)
                 logits = _forward(model, seq, cfg)
                 losses = F.cross_entropy(logits[0].float(), labels, reduction="none")
