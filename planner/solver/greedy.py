@@ -9,24 +9,28 @@ this module decides which (M, T) to try:
    ``SINGLE_MICROBATCH_FILL`` full on a pool of ``SINGLE_MICROBATCH_MIN_POOL`` ranks or more),
    and grows until the kernel places every segment (balance mode, then pack mode, at T = the
    step's malleable bound, bounds.py).
-2. Then M + multiple x (1, 2, ...) (fast: +1, +2; balanced: up to +8; max: up to +32), skipping
+2. Then M + multiple x (1, 2, ...) (fast and balanced: +1, +2; max: up to +32), skipping
    any whose own lower bound rules out a win, and a bisection below the winner. The step keeps
    the fewest microbatches whose time is within ``microbatch_tolerance`` of the fastest tried:
    a larger M must be faster by at least the tolerance to be chosen.
 3. ``balanced`` and ``max``, only when the time is still more than ``refine_gap`` over the bound:
-   more targets T (the bound times 1 + delta, balance and pack mode) at the chosen M, step 2 again
-   with those targets, then one CP-SAT call on the heaviest segments (cpsat.py) at the chosen M
-   with the effort's deterministic-time budget, when those segments hold at least
-   ``HEAVY_SHARE`` of the step's work (below it CP-SAT's model cannot move what matters).
+   more targets T (the bound times 1 + delta, balance and pack mode) at the chosen M, (max only)
+   step 2 again with those targets, then one CP-SAT call on the heaviest segments (cpsat.py) at
+   the chosen M with the effort's deterministic-time budget, when those segments hold at least
+   ``HEAVY_SHARE`` of the step's work (below it CP-SAT's model cannot move what matters) and,
+   for balanced, the pool has at most ``CPSAT_MAX_UNITS`` smallest blocks (step.py: above that
+   its calls cost much and bought nothing measurable).
    Every candidate is scored by the kernel's exact makespan and the best is kept, so
    refinement never makes a step worse.
 ``fast`` is steps 1-2. Extra microbatches loosen capacity for balance but cost fixed time and
 leave slots empty: the tolerance keeps near-ties at the fewer microbatches (fuller slots).
 
 Trade-off: ``fast`` is two to four kernel passes per step (each O(segments x levels x log N) in
-balance mode); refinement is 10-30 more passes and one bounded CP-SAT call, spent only on the
-steps whose gap to the bound is large and, for CP-SAT, whose heaviest segments matter (on the
-1M Wikipedia lengths no step at pools 16-1024 reaches CP-SAT).
+balance mode); balanced refinement is a few more passes (up to 2 per target) and at most one
+bounded CP-SAT call, spent only on the steps whose gap to the bound is large and, for CP-SAT,
+whose heaviest segments matter (on the 1M Wikipedia lengths with C = 16384 and a global batch
+of 16 N, 47 of 3907 steps call it at N = 16; at N = 64, where balanced no longer calls it,
+30 of 977 would).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from planner.solver.place import BALANCE, PACK, spread
 from planner.solver.step import (
     EXTRA_MICROBATCHES,
     HEAVY_SHARE,
+    REFINE_EXTRA_MICROBATCHES,
     SINGLE_MICROBATCH_FILL,
     SINGLE_MICROBATCH_MIN_POOL,
     SOLVER_NAME,
@@ -167,7 +172,8 @@ def solve_step(problem: StepProblem) -> Placement:
     if p.effort == "fast" or problem.gap(best) <= p.refine_gap:
         return best
     best = refine(problem, best)
-    best = _more_microbatches(problem, best, do_refine=True)
+    if REFINE_EXTRA_MICROBATCHES[p.effort]:
+        best = _more_microbatches(problem, best, do_refine=True)
     if (p.cpsat_seconds > 0 and p.cpsat_items > 0 and problem.gap(best) > p.refine_gap
             and problem.heavy_share() >= HEAVY_SHARE):
         # One CP-SAT call per step, at the chosen M: the solver budget per step is bounded.

@@ -24,16 +24,29 @@ from planner.solver.items import ItemTables, item_tables
 from planner.solver.place import BALANCE, PACK, place
 
 SOLVER_NAME = "greedy-lpt"
-SOLVER_VERSION = 3
+SOLVER_VERSION = 4
 
 # Targets tried by refinement, as the bound times (1 + delta); max adds plain LPT (T = inf).
 DELTAS = {"balanced": (0.01, 0.03, 0.06, 0.1, 0.16, 0.25),
           "max": (0.005, 0.01, 0.02, 0.03, 0.045, 0.06, 0.08, 0.1, 0.13, 0.16, 0.2, 0.25, 0.35,
                   0.5, np.inf)}
-# Larger microbatch counts tried: M + multiple x 2^j for j below this.
-EXTRA_MICROBATCHES = {"fast": 2, "balanced": 4, "max": 6}
+# Larger microbatch counts tried: M + multiple x 2^j for j below this. Whether that search is
+# repeated with refinement (more targets at every M tried) is REFINE_EXTRA_MICROBATCHES.
+# Balanced went from 4 to 2 and stopped repeating the search refined (issue 14): on the 1M
+# Wikipedia lengths at pools 16-1024 that cut its kernel work 1.2-2.5x for at most +0.034% of
+# simulated time (N = 32, 64), none at N = 256 and -0.06% at 1024 (a different M won); on
+# bench/quality.py's workloads (pools 8-64) every T/LB stayed equal to 3 decimals but one
+# (1.029 -> 1.030).
+EXTRA_MICROBATCHES = {"fast": 2, "balanced": 2, "max": 6}
+REFINE_EXTRA_MICROBATCHES = {"fast": False, "balanced": False, "max": True}
 CPSAT_SECONDS = {"fast": 0.0, "balanced": 0.05, "max": 0.5}
 CPSAT_ITEMS = {"fast": 0, "balanced": 8, "max": 16}
+# Balanced calls CP-SAT only on pools of at most this many smallest-size blocks (the model's
+# units): on the Wikipedia lengths its calls cost 0.13 s (N = 64) to 0.2 s (N = 256) each,
+# 44-60% of the whole run, and bought 0.005% of simulated time at N = 64 and nothing at 256
+# or 1024, while at pools 8-32 they buy 0.1-0.2% on average per call (up to 1.2%). The
+# effort's own default only: an explicit SolverConfig.cpsat_seconds applies at any pool.
+CPSAT_MAX_UNITS = {"fast": 0, "balanced": 32, "max": 1 << 30}
 # Optional kernel passes per step stop once segments x blocks summed over passes exceed this
 # (about 0.1 s (balanced) and 0.4 s (max) of kernel time on this 2-core machine): a
 # deterministic cap for huge steps (N = 64 and 20,000 segments reach it).
@@ -98,7 +111,10 @@ class PackingParams:
         # The baseline candidates pad by their own rules (candidates.py); with an extra padding
         # alignment their rows would break it, so they are not scored then.
         baselines = s.baselines and config.pad_to_multiple == 1
-        cpsat = s.cpsat_seconds if s.cpsat_seconds >= 0 else CPSAT_SECONDS[config.effort]
+        cpsat = s.cpsat_seconds
+        if cpsat < 0:
+            units = p.pool_size // int(sizes[0])
+            cpsat = CPSAT_SECONDS[config.effort] if units <= CPSAT_MAX_UNITS[config.effort] else 0.0
         return cls(pool_size=p.pool_size, capacity=config.capacity_tokens_per_rank, sizes=sizes,
                    multiples=mults, cost=cost.as_array(),
                    microbatch_multiple=p.microbatch_multiple, effort=config.effort,
@@ -115,6 +131,7 @@ class PackingParams:
                 "microbatch_tolerance": self.microbatch_tolerance,
                 "refine_gap": self.refine_gap,
                 "extra_microbatches": EXTRA_MICROBATCHES[self.effort],
+                "refine_extra_microbatches": REFINE_EXTRA_MICROBATCHES[self.effort],
                 "single_microbatch_fill": SINGLE_MICROBATCH_FILL,
                 "single_microbatch_min_pool": SINGLE_MICROBATCH_MIN_POOL,
                 "targets": [d if np.isfinite(d) else "inf" for d in self.deltas],
