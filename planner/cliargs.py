@@ -30,12 +30,15 @@ __all__ = [
     "add_version",
     "emit_summary",
     "flag_message",
+    "glue_negative_values",
     "int_at_least",
     "int_list",
     "nonnegative_int",
     "positive_float",
     "positive_int",
     "refuse",
+    "resolve_steps",
+    "step_bounds",
     "step_range",
     "version_string",
 ]
@@ -123,20 +126,62 @@ def int_list(text: str) -> tuple[int, ...]:
             f"expected a comma-separated list of ints such as 1,2,4, got {text!r}") from None
 
 
-def step_range(text: str) -> tuple[int, int | None]:
-    """argparse ``type``: ``A:B``, ``A:`` or ``:B`` (steps A..B-1), or ``A`` (that step only)."""
+def step_range(text: str) -> tuple[int | None, int | None]:
+    """argparse ``type``: a Python slice of steps, ``A:B``, ``A:``, ``:B`` (steps A..B-1;
+    negative counts from the end: ``-3:`` is the last three), or ``A`` (that step only).
+
+    Returns (start, stop) as given (None where omitted); ``resolve_steps`` applies them to a
+    plan's step count.
+    """
     a, colon, b = text.partition(":")
     try:
-        lo = int(a) if a.strip() else 0
+        lo = int(a) if a.strip() else None
         hi = int(b) if b.strip() else None
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected a step range A:B such as 0:10 (or A: or :B), got {text!r}") from None
+            f"expected a step range A:B such as 0:10 (or A:, :B, -3: for the last three), got "
+            f"{text!r}") from None
     if not colon:
-        hi = lo + 1
-    if lo < 0 or (hi is not None and hi < lo):
-        raise argparse.ArgumentTypeError(f"expected 0 <= A <= B in A:B, got {text!r}")
+        if lo is None:
+            raise argparse.ArgumentTypeError(f"expected a step range A:B, got {text!r}")
+        hi = lo + 1 if lo != -1 else None
     return lo, hi
+
+
+def resolve_steps(flag: str, given: tuple[int | None, int | None], num_steps: int) -> range:
+    """The steps a ``step_range`` selects in a plan of ``num_steps`` steps, as Python slices them.
+
+    Raises:
+        ValueError: the range selects no step, naming ``flag`` and the plan's step range.
+    """
+    lo, hi = given
+    steps = range(num_steps)[slice(lo, hi)]
+    if not steps:
+        text = f"{'' if lo is None else lo}:{'' if hi is None else hi}"
+        raise ValueError(f"{flag} {text} selects no step; the plan has {num_steps} steps "
+                         f"({step_bounds(num_steps)})")
+    return steps
+
+
+def step_bounds(num_steps: int) -> str:
+    """``0..31, or -32..-1 from the end`` for a plan of 32 steps."""
+    return f"0..{num_steps - 1}, or -{num_steps}..-1 from the end"
+
+
+def glue_negative_values(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """``--steps -3:`` as ``--steps=-3:``: argparse takes a value starting with '-' for an
+    option unless it is glued on with '='."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] in flags and i + 1 < len(argv) and argv[i + 1].startswith("-") \
+                and argv[i + 1][1:2].isdigit():
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
 
 
 class _Refuse(argparse.Action):

@@ -221,3 +221,44 @@ def test_full_disk_names_the_plan_and_leaves_nothing(
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
     shutil.rmtree(mnt, ignore_errors=True)
+
+
+def _shown_steps(out: str) -> list[int]:
+    return [json.loads(line)["step"] for line in out.splitlines()]
+
+
+def test_show_steps_are_python_slices(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--steps=-3:`` was refused (an ``IndexError`` traceback before that); it is the last
+    three steps, as Python slices a list. Other malformed values still get a clear message."""
+    plan = tmp_path / "p.arrow"
+    assert main([str(SAMPLE), "-o", str(plan), "--dp", "4", "--cp", "2",
+                 "--max-tokens-per-rank", "4096", "--global-batch-size", "64", "--quiet"]) == 0
+    capsys.readouterr()
+    n = 32  # 2000 samples / 64 a step
+    every = list(range(n))
+    for given, want in [("-3:", every[-3:]), ("5:8", every[5:8]), (":2", every[:2]),
+                        ("-5:-2", every[-5:-2]), ("30:99", every[30:99]), ("-1", [n - 1]),
+                        ("-2", [n - 2]), ("7", [7]), ("-99:2", every[-99:2])]:
+        for argv in (["--steps=" + given], ["--steps", given]):
+            assert main(["show", str(plan), *argv, "--json"]) == 0, given
+            assert _shown_steps(capsys.readouterr().out) == want, given
+    assert main(["show", str(plan), "--steps=-3:"]) == 0  # the table, not only --json
+    out = capsys.readouterr().out
+    assert [int(line.split()[0]) for line in out.splitlines()[1:]] == every[-3:]
+    for argv, message in [
+            (["--steps", "40:50"], "--steps 40:50 selects no step; the plan has 32 steps "
+             "(0..31, or -32..-1 from the end)"),
+            (["--steps", "5:3"], "--steps 5:3 selects no step"),
+            (["--step", "999"], "--step 999 is out of range; the plan has 32 steps (0..31, or "
+             "-32..-1 from the end)"),
+            (["--step", "-33"], "--step -33 is out of range")]:
+        assert main(["show", str(plan), *argv]) == 2, argv
+        assert message in _err(capsys), argv
+    for bad in ("abc", "1:2:3", "::", "a:", "--3"):
+        with pytest.raises(SystemExit) as exc:
+            main(["show", str(plan), f"--steps={bad}"])
+        assert exc.value.code == 2
+        err = _err(capsys)
+        assert "argument --steps: expected a step range A:B" in err, bad
+    assert main(["show", str(plan), "--step=-1", "--json"]) == 0
+    assert {json.loads(x)["step"] for x in capsys.readouterr().out.splitlines()} == {n - 1}
