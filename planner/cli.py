@@ -131,6 +131,10 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output",
                    help="plan file (default: plans/<first dataset's stem>.arrow); an existing "
                    "plan there is replaced, any other file is refused")
+    p.add_argument("--fingerprint", choices=("lengths", "content"), default="lengths",
+                   help="what the header fingerprints: lengths (cheap: catches a changed, "
+                   "reordered or truncated dataset) or content (also every token, read once "
+                   "more now and by the runtime at start: catches tokens edited in place)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing output file even if it is not a plan (never an input)")
     par = p.add_argument_group("parallel layout (pool = dp x cp ranks)")
@@ -247,6 +251,13 @@ def cmd_plan(argv: list[str]) -> int:
     # Directories and globs expand to files only now: check those too.
     check_output_path(out, inputs=input_files([f.path for f in table.files], ""),
                       overwrite=args.overwrite)
+    timings = {"read": time.perf_counter() - t0}
+    if args.fingerprint == "content":
+        from planner.sources.content import with_content
+
+        with Progress("hashing tokens", unit="file", enabled=show) as bar:
+            table = with_content(table, args.field, progress=bar)
+        timings["fingerprint"] = time.perf_counter() - t0 - timings["read"]
     t1 = time.perf_counter()
     planned: list[float] = []
     with Progress("planning", unit="step", enabled=show) as bar:
@@ -266,7 +277,7 @@ def cmd_plan(argv: list[str]) -> int:
     t3 = time.perf_counter()
     t2 = planned[0]
     summary = plan_summary(stream.header(), out,
-                           {"read": t1 - t0, "plan": t2 - t1, "validate+write": t3 - t2})
+                           {**timings, "plan": t2 - t1, "validate+write": t3 - t2})
     emit_summary(summary, format_summary(summary), as_json=args.json,
                  json_path=args.summary_json, quiet=args.quiet)
     return 0
@@ -289,14 +300,21 @@ def cmd_validate(argv: list[str]) -> int:
         if items:
             from planner.sources.lengths import read_lengths
 
-            lengths = read_lengths(items, skip_bad_records=args.skip_bad_records,
-                                   field=args.field).lengths
+            table = read_lengths(items, skip_bad_records=args.skip_bad_records,
+                                 field=args.field)
+            lengths = table.lengths
         validate(f.header, f, lengths, source=args.plan)
+        content = False
+        if lengths is not None:  # the lengths match: with content fingerprints, every token
+            from planner.sources.content import check_content
+
+            content = check_content(f.header.dataset.files, table, args.field, source=args.plan)
         result = {"plan": args.plan, "valid": True, "kind": f.header.kind,
                   "num_steps": f.num_steps,
                   "format_version": f.header.format_version,
-                  "coverage_checked": lengths is not None}
-    what = "and dataset coverage " if lengths is not None else ""
+                  "coverage_checked": lengths is not None, "content_checked": content}
+    what = ("and dataset coverage " if lengths is not None else "") + (
+        "and token content " if content else "")
     emit_summary(result, f"{args.plan}: valid {result['kind']} plan ({result['num_steps']} "
                  f"steps, format "
                  f"{result['format_version']}; invariants {what}checked)",

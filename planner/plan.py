@@ -49,6 +49,7 @@ from planner.solver.batches import (
 )
 from planner.solver.greedy import PackingParams
 from planner.solver.parallel import StepJobs, plan_steps
+from planner.sources.content import content_fingerprint
 from planner.sources.dataset import DataFile, blend_counts
 
 if TYPE_CHECKING:
@@ -300,7 +301,8 @@ class PlanStream:
                                 num_tokens=int(lengths[lengths > 0].sum()),
                                 fingerprint=fingerprint_lengths(lengths),
                                 format=str(table.format),
-                                files=[f.to_dict() for f in self.files]),
+                                files=[f.to_dict() for f in self.files],
+                                content_fingerprint=content_fingerprint(self.files)),
             parallel=ParallelInfo(dp=p.dp, cp=p.cp, tp=p.tp, pp=p.pp, vpp=p.vpp,
                                   sequence_parallel=p.sequence_parallel, pool_size=p.pool_size,
                                   microbatch_group_size=p.group_size),

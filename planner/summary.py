@@ -37,7 +37,9 @@ def plan_summary(header: PlanHeader, out: str | Path, phases: dict[str, float]) 
         "plan": str(out),
         "format_version": header.format_version,
         "dataset": {"path": d.path, "format": d.format, "num_samples": d.num_samples,
-                    "num_tokens": d.num_tokens, "fingerprint": d.fingerprint, "files": files},
+                    "num_tokens": d.num_tokens, "fingerprint": d.fingerprint, "files": files,
+                    **({"content_fingerprint": d.content_fingerprint}
+                       if d.content_fingerprint else {})},
         "parallel": {"dp": p.dp, "cp": p.cp, "tp": p.tp, "pp": p.pp, "vpp": p.vpp,
                      "sequence_parallel": p.sequence_parallel, "pool_size": p.pool_size,
                      "microbatch_group_size": p.microbatch_group_size},

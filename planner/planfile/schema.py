@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -60,7 +61,11 @@ class DatasetInfo:
     format: str = ""
     files: list[dict[str, Any]] = field(default_factory=list)
     """Format 2: every file in sample order (path, format, num_samples, num_tokens, fingerprint,
-    group); empty in version 1 plans (one file, ``path``)."""
+    group, and with ``--fingerprint content`` content_fingerprint); empty in version 1 plans
+    (one file, ``path``)."""
+    content_fingerprint: str = ""
+    """Format 2, ``dcp-plan --fingerprint content``: sha256 over the files' content fingerprints
+    (``planner.sources.content``); empty (and absent from the JSON): lengths only."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -122,6 +127,8 @@ class PlanHeader:
         d["epochs"] = [list(e) for e in self.epochs]
         if self.pad_to_multiple == 1:
             del d["pad_to_multiple"]
+        if not self.dataset.content_fingerprint:
+            del d["dataset"]["content_fingerprint"]
         return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
     @classmethod
@@ -190,6 +197,13 @@ def fingerprint_lengths(lengths: NDArray[np.integer]) -> str:
     h = hashlib.sha256(b"dcp-lengths-v1\0")
     h.update(np.ascontiguousarray(lengths, dtype="<i8").tobytes())
     return "sha256:" + h.hexdigest()
+
+
+def dataset_content_fingerprint(files: Sequence[str]) -> str:
+    """A dataset's content fingerprint from its files' (``planner.sources.content``), in order:
+    sha256 of ``dcp-content-dataset-v1\\0`` and each file's fingerprint on a line."""
+    text = "".join(f + "\n" for f in files)
+    return "sha256:" + hashlib.sha256(b"dcp-content-dataset-v1\0" + text.encode()).hexdigest()
 
 
 def step_batch(schema: pa.Schema, columns: dict[str, NDArray[Any]]) -> pa.RecordBatch:

@@ -20,6 +20,7 @@ from planner.planfile.schema import (
     PLAN_KINDS,
     PlanHeader,
     column_numpy,
+    dataset_content_fingerprint,
     fingerprint_lengths,
 )
 
@@ -193,6 +194,12 @@ def _check_files(header: PlanHeader, lengths: NDArray[np.integer] | None, err: _
         err.add(f"header: dataset files hold {total} samples, the dataset "
                 f"{header.dataset.num_samples}")
         return
+    fps = [str(f.get("content_fingerprint", "")) for f in files]
+    if any(fps) and header.dataset.content_fingerprint != dataset_content_fingerprint(fps):
+        err.add("header: dataset content_fingerprint does not combine the files' content "
+                "fingerprints")
+    elif header.dataset.content_fingerprint and not any(fps):
+        err.add("header: dataset content_fingerprint without files' content fingerprints")
     if lengths is None or len(lengths) != total:
         return
     start = 0

@@ -49,9 +49,15 @@ class DataFile:
     """sha256 of this file's lengths (``fingerprint_lengths``)."""
     group: int = 0
     """Which ``--data-path`` entry (blend group) the file came from."""
+    content_fingerprint: str = ""
+    """sha256 of this file's tokens (``planner.sources.content``; ``dcp-plan --fingerprint
+    content``); empty: not computed."""
 
     def to_dict(self) -> dict[str, object]:
-        return asdict(self)
+        d = asdict(self)
+        if not self.content_fingerprint:
+            del d["content_fingerprint"]  # plans made without it keep their bytes
+        return d
 
 
 def parse_data_path(items: Sequence[str]) -> tuple[list[str], list[float] | None]:

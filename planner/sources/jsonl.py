@@ -156,3 +156,28 @@ def jsonl_index(path: str | os.PathLike[str], *, skip_bad_records: bool = False,
     if len(offsets) == 0:
         raise ValueError(f"{path}: no records (the file is empty or blank)")
     return offsets, sizes, lengths
+
+
+def token_fields(field: str | None) -> tuple[str, ...]:
+    """Where a record's token list is looked for: ``field``, else ``input_ids`` then
+    ``tokens``."""
+    return (field,) if field is not None else tuple(
+        f for f in DEFAULT_FIELDS if f in LIST_FIELDS)
+
+
+def record_tokens(raw: bytes, fields: tuple[str, ...]) -> list[int]:
+    """The token list of one record line: the first of ``fields`` that holds a list (the
+    runtime's reader, ``runtime.data.token_jsonl``, and the content fingerprint both use this).
+
+    Raises:
+        ValueError: the line is not a JSON object, or holds no token list.
+    """
+    obj = json.loads(raw.decode("utf-8-sig", "replace"))
+    if not isinstance(obj, dict):
+        raise ValueError(f"not a JSON object but {type(obj).__name__}")
+    for name in fields:
+        value = obj.get(name)
+        if isinstance(value, list):
+            return value
+    raise ValueError(f"no token list under {' or '.join(repr(f) for f in fields)} (a dataset of "
+                     "lengths only can be planned but not replayed)")

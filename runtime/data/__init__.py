@@ -4,7 +4,9 @@
 JSONL, Parquet/Arrow, Megatron) feed ``replay.Replayer``, which builds each microbatch with
 ``batch`` and shards it with ``shard`` (zigzag / contiguous index math, ``cu_seqlens``).
 ``evaluation.EvalSchedule`` replays an eval plan as a finite pass that ends on every rank at the
-same microbatch, for any training loop.
+same microbatch, for any training loop. ``plan_source.open_plan_source`` opens the dataset a
+plan was made for as every engine must: bad records as the planner counted them, lengths and
+(``dcp-plan --fingerprint content``) token content checked.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from __future__ import annotations
 from runtime.data.batch import MicrobatchInputs
 from runtime.data.evaluation import EvalMicrobatch, EvalSchedule, check_eval_layout
 from runtime.data.plan_reader import PlanReader
+from runtime.data.plan_source import open_plan_source
 from runtime.data.replay import Microbatch, Replayer
 from runtime.data.tokens import TokenSource, open_token_source
 
 __all__ = ["EvalMicrobatch", "EvalSchedule", "Microbatch", "MicrobatchInputs", "PlanReader",
-           "Replayer", "TokenSource", "check_eval_layout", "open_token_source"]
+           "Replayer", "TokenSource", "check_eval_layout", "open_plan_source",
+           "open_token_source"]

@@ -22,8 +22,9 @@ import numpy as np
 from numpy.typing import NDArray
 
 from planner.sources.compressed import compression_of, iter_decompressed
+from planner.sources.jsonl import record_tokens, token_fields
 from planner.sources.lengths import jsonl_index
-from runtime.data.token_files import TOKEN_FIELDS, ArrayTokens, check_read
+from runtime.data.token_files import ArrayTokens, check_read
 
 INDEX_SUFFIX = ".dcpidx"
 INDEX_VERSION = 2
@@ -39,18 +40,9 @@ def _digest(*arrays: NDArray[np.int64]) -> str:
 
 
 def _record_tokens(raw: bytes, field: str | None) -> list[int]:
-    """The token list of one JSONL record line (``planner.sources.jsonl``'s rules: a JSON object
-    whose
-    first non-null field among ``field`` or TOKEN_FIELDS holds the tokens)."""
-    obj = json.loads(raw.decode("utf-8-sig", "replace"))
-    if not isinstance(obj, dict):
-        raise ValueError(f"not a JSON object but {type(obj).__name__}")
-    for name in (field,) if field is not None else TOKEN_FIELDS:
-        value = obj.get(name)
-        if isinstance(value, list):
-            return value
-    raise ValueError(f"no token list under {field or ' or '.join(TOKEN_FIELDS)!r} (a dataset of "
-                     "lengths only can be planned but not replayed)")
+    """The token list of one JSONL record line (``planner.sources.jsonl.record_tokens``: the
+    first of ``field`` or TOKEN_FIELDS that holds a list)."""
+    return record_tokens(raw, token_fields(field))
 
 
 class JsonlTokens:

@@ -198,12 +198,6 @@ def autocast_context(cfg: TrainConfig, device: torch.device) -> AbstractContextM
     return torch.autocast(device_type=device.type, dtype=DTYPES[cfg.dtype])
 
 
-def plan_skips_records(reader: PlanReader) -> bool:
-    """True if the plan was made with ``--skip-bad-records`` and skipped some: the token source
-    must then read bad records as empty samples, as the planner counted them."""
-    return int(reader.header.stats.get("skipped_bad_records", 0) or 0) > 0
-
-
 def checkpoint_meta(model_config: GPTConfig, reader: PlanReader) -> dict[str, Any]:
     # The plan's header digest: a resume must replay the same batches, and another plan of the
     # same dataset and step count would pass every other check.

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from runtime.data.batch import to_device
 from runtime.data.evaluation import EvalMicrobatch, EvalSchedule, check_eval_layout
 from runtime.data.plan_reader import PlanReader
-from runtime.data.tokens import open_token_source
+from runtime.data.plan_source import open_plan_source
 from runtime.dist.groups import GroupCatalog
 from runtime.dist.topology import Topology
 from runtime.train.backends import AttentionBackend, make_backend
@@ -61,7 +61,11 @@ class Evaluator:
                  device: torch.device) -> None:
         self.cfg = cfg
         self.reader = PlanReader(cfg.eval_plan)
-        self.source = open_token_source(cfg.eval_dataset)
+        try:
+            self.source = open_plan_source(self.reader, cfg.eval_dataset)
+        except BaseException:
+            self.reader.close()
+            raise
         try:
             header = self.reader.header
             check_eval_layout(header, train_reader.header, eval_source=cfg.eval_plan,

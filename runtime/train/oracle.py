@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from runtime.data.evaluation import check_eval_layout
 from runtime.data.plan_reader import PlanReader
-from runtime.data.tokens import TokenSource, open_token_source
+from runtime.data.plan_source import open_plan_source
+from runtime.data.tokens import TokenSource
 from runtime.train import checkpoint
 from runtime.train.common import (
     EvalLog,
@@ -34,7 +35,6 @@ from runtime.train.common import (
     build_optimizer,
     checkpoint_meta,
     copy_final_state,
-    plan_skips_records,
     resolve_device,
     should_evaluate,
     step_range,
@@ -102,16 +102,14 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
     """The oracle: every sequence alone, full causal attention, loss = sum / count per step."""
     device = resolve_device(cfg)
     reader = PlanReader(cfg.plan)
-    source = open_token_source(cfg.dataset_paths, skip_bad_records=plan_skips_records(reader))
-    reader.check_dataset(source.lengths())
+    source = open_plan_source(reader, cfg.dataset_paths)
     eval_reader = eval_source = None
     if cfg.eval_plan:
         # The same refusals as the replayed run: the oracle evaluates what it would evaluate.
         eval_reader = PlanReader(cfg.eval_plan)
         check_eval_layout(eval_reader.header, reader.header, eval_source=cfg.eval_plan,
                           train_source=cfg.plan)
-        eval_source = open_token_source(cfg.eval_dataset)
-        eval_reader.check_dataset(eval_source.lengths())
+        eval_source = open_plan_source(eval_reader, cfg.eval_dataset)
     model = build_model(model_config, cfg.seed, device)
     optimizer = build_optimizer(model, cfg)
     meta = checkpoint_meta(model_config, reader)

@@ -50,8 +50,9 @@ import torch.distributed as dist
 
 from runtime.data.batch import to_device
 from runtime.data.plan_reader import PlanReader
+from runtime.data.plan_source import check_plan_source, open_plan_source
 from runtime.data.replay import Microbatch, Replayer
-from runtime.data.tokens import TokenSource, open_token_source
+from runtime.data.tokens import TokenSource
 from runtime.dist.groups import GroupCatalog
 from runtime.dist.topology import Topology
 from runtime.train import checkpoint
@@ -68,7 +69,6 @@ from runtime.train.common import (
     checkpoint_meta,
     copy_final_state,
     pg_timeout,
-    plan_skips_records,
     resolve_device,
     should_evaluate,
     step_range,
@@ -97,14 +97,13 @@ class Trainer:
             reader = PlanReader(cfg.plan)
             self._owned.append(reader)
         if source is None:
-            # A plan made with --skip-bad-records counts those records as empty samples; the
-            # source must read the dataset the same way, or the first bad line stops training.
-            source = open_token_source(cfg.dataset_paths,
-                                       skip_bad_records=plan_skips_records(reader))
+            # Read as the planner counted (bad records skipped), lengths and content checked.
+            source = open_plan_source(reader, cfg.dataset_paths)
             self._owned.append(source)
+        else:
+            check_plan_source(reader, source)
         self.reader = reader
         self.source = source
-        self.reader.check_dataset(self.source.lengths())
         header = self.reader.header
         self.topology = Topology.from_header(header.parallel, rank=dist.get_rank(),
                                              world_size=dist.get_world_size())

@@ -27,7 +27,7 @@ from runtime.adapters.megatron.batch import Batch, PlanBatches
 from runtime.adapters.megatron.groups import MegatronGroups
 from runtime.data.evaluation import EvalSchedule, check_eval_layout
 from runtime.data.plan_reader import PlanReader
-from runtime.data.tokens import open_token_source
+from runtime.data.plan_source import open_plan_source
 from runtime.train.common import EvalLog, TrainConfig
 
 
@@ -50,7 +50,11 @@ class MegatronEvaluator:
     def __init__(self, cfg: TrainConfig, train_reader: PlanReader, groups: MegatronGroups, *,
                  num_chunks: int, device: torch.device, vocab_size: int) -> None:
         self.reader = PlanReader(cfg.eval_plan)
-        self.source = open_token_source(cfg.eval_dataset)
+        try:
+            self.source = open_plan_source(self.reader, cfg.eval_dataset)
+        except BaseException:
+            self.reader.close()
+            raise
         try:
             check_eval_layout(self.reader.header, train_reader.header,
                               eval_source=cfg.eval_plan, train_source=cfg.plan)

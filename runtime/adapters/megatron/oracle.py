@@ -29,7 +29,7 @@ from runtime.adapters.megatron.model import (
 )
 from runtime.data.evaluation import check_eval_layout
 from runtime.data.plan_reader import PlanReader
-from runtime.data.tokens import open_token_source
+from runtime.data.plan_source import open_plan_source
 from runtime.dist.topology import Topology
 from runtime.train.common import (
     DTYPES,
@@ -56,9 +56,8 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
     device = resolve_device(cfg)
     patches.apply_patches(device)
     reader = PlanReader(cfg.plan)
-    source = open_token_source(cfg.dataset_paths)
+    source = open_plan_source(reader, cfg.dataset_paths)
     try:
-        reader.check_dataset(source.lengths())
         header = reader.header
         par = ModelParallel(dtype=DTYPES[cfg.dtype])
         config = transformer_config(model_config, par)
@@ -75,8 +74,7 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
             eval_reader = PlanReader(cfg.eval_plan)
             check_eval_layout(eval_reader.header, header, eval_source=cfg.eval_plan,
                               train_source=cfg.plan)
-            eval_source = open_token_source(cfg.eval_dataset)
-            eval_reader.check_dataset(eval_source.lengths())
+            eval_source = open_plan_source(eval_reader, cfg.eval_dataset)
         logger = StepLogger(cfg, enabled=True)
         result = TrainResult()
         try:

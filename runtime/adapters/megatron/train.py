@@ -45,7 +45,8 @@ from runtime.adapters.megatron.model import (
     transformer_config,
 )
 from runtime.data.plan_reader import PlanReader
-from runtime.data.tokens import TokenSource, open_token_source
+from runtime.data.plan_source import check_plan_source, open_plan_source
+from runtime.data.tokens import TokenSource
 from runtime.dist.topology import Topology
 from runtime.train.common import (
     DTYPES,
@@ -92,9 +93,11 @@ class MegatronTrainer:
             reader = PlanReader(cfg.plan)
             self._owned.append(reader)
         if source is None:
-            source = open_token_source(cfg.dataset_paths)
+            # Read as the planner counted (bad records skipped), lengths and content checked.
+            source = open_plan_source(reader, cfg.dataset_paths)
             self._owned.append(source)
-        reader.check_dataset(source.lengths())
+        else:
+            check_plan_source(reader, source)
         self.reader, self.source = reader, source
         header = reader.header
         topology = Topology.from_header(header.parallel, rank=dist.get_rank(),

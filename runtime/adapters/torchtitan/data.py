@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from runtime.adapters.torchtitan.titan import IGNORE_INDEX, BaseDataLoader, BaseTokenizer
 from runtime.data.plan_reader import PlanReader
+from runtime.data.plan_source import open_plan_source
 from runtime.data.replay import Microbatch, Replayer
-from runtime.data.tokens import open_token_source
 from runtime.dist.groups import GroupCatalog
 from runtime.dist.topology import Topology
 from runtime.train.model import check_token_ids
@@ -130,10 +130,14 @@ class PlanDataLoader(BaseDataLoader):
                              f"microbatch), got {local_batch_size}")
         self.config = config
         self.reader = PlanReader(config.plan)
-        self.source = open_token_source(config.datasets or config.dataset)
+        try:
+            # Read as the planner counted (bad records skipped), lengths and content checked.
+            self.source = open_plan_source(self.reader, config.datasets or config.dataset)
+        except BaseException:
+            self.reader.close()
+            raise
         try:
             self.lengths = self.source.lengths()
-            self.reader.check_dataset(self.lengths)
             self.topology = _check_job(self.reader, dp_world_size, dp_rank)
             # Collective: every rank creates every group of the plan, in catalog order.
             self.catalog = catalog or GroupCatalog.create(self.topology,

@@ -21,7 +21,8 @@ from runtime.adapters.torchtitan.config import ADAMW_BETAS, ADAMW_EPS, max_seq_l
 from runtime.adapters.torchtitan.model import build_llama3, llama3_config
 from runtime.data.evaluation import check_eval_layout
 from runtime.data.plan_reader import PlanReader
-from runtime.data.tokens import TokenSource, open_token_source
+from runtime.data.plan_source import open_plan_source
+from runtime.data.tokens import TokenSource
 from runtime.train.common import (
     EvalLog,
     StepLog,
@@ -82,16 +83,14 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig) -> TrainResult:
                          "--resume): run the whole range of steps instead")
     device = resolve_device(cfg)
     reader = PlanReader(cfg.plan)
-    source = open_token_source(cfg.dataset_paths)
-    reader.check_dataset(source.lengths())
+    source = open_plan_source(reader, cfg.dataset_paths)
     evaluation: tuple[PlanReader, TokenSource] | None = None
     if cfg.eval_plan:
         # The same refusals as the replayed run: the oracle evaluates what it would evaluate.
         eval_reader = PlanReader(cfg.eval_plan)
         check_eval_layout(eval_reader.header, reader.header, eval_source=cfg.eval_plan,
                           train_source=cfg.plan)
-        eval_source = open_token_source(cfg.eval_dataset)
-        eval_reader.check_dataset(eval_source.lengths())
+        eval_source = open_plan_source(eval_reader, cfg.eval_dataset)
         evaluation = (eval_reader, eval_source)
     config = llama3_config(model_config, max_seq_len=max_seq_len(reader))
     model = build_llama3(config, seed=cfg.seed).to(device)

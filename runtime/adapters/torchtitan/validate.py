@@ -32,7 +32,7 @@ from runtime.adapters.torchtitan.titan import IGNORE_INDEX, Validator
 from runtime.data.batch import to_device
 from runtime.data.evaluation import EvalSchedule, check_eval_layout
 from runtime.data.plan_reader import PlanReader
-from runtime.data.tokens import open_token_source
+from runtime.data.plan_source import open_plan_source
 from runtime.train.backends import AttentionBackend
 from runtime.train.common import EvalLog
 
@@ -73,7 +73,7 @@ class PlanValidator(Validator):
         Collective (``EvalSchedule`` checks that every rank built the same pass).
         """
         self.reader = PlanReader(self.config.plan)
-        self.source = open_token_source(self.config.dataset)
+        self.source = open_plan_source(self.reader, self.config.dataset)
         check_eval_layout(self.reader.header, loader.reader.header,
                           eval_source=self.config.plan, train_source=loader.config.plan)
         self.schedule = EvalSchedule(self.reader, self.source, loader.topology, loader.catalog,

@@ -1,0 +1,138 @@
+"""Open the dataset a plan was made for and prove it is that dataset: one entry for every engine.
+
+``open_plan_source(reader, paths)`` is what the native trainer, its oracle, the evaluators and
+the Megatron and torchtitan adapters call, so they all read and check a dataset alike:
+
+1. bad records are read as the planner counted them: a plan made with ``--skip-bad-records``
+   that skipped some opens the source with ``skip_bad_records`` (those records are empty
+   samples), so training does not stop on the line the planner skipped;
+2. the lengths fingerprint (``PlanReader.check_dataset``): a changed, reordered, truncated or
+   extended dataset is refused;
+3. with ``dcp-plan --fingerprint content``, the content fingerprint (``verify_content``): every
+   token is read through this runtime's own readers (the tokens training would get) and hashed
+   as ``planner.sources.content`` defines; a file whose tokens changed is refused, named.
+
+Cost of 3, paid once at start-up, before any step: every token of the dataset is read and
+hashed once *in total*, not once per rank: the blocks (``planner.sources.content``) are dealt
+round-robin over the ranks of the default process group and their digests summed in one
+all-reduce (32 bytes per block), so every rank reaches the same verdict and names the same
+files. Per rank that is ``tokens / world_size`` reads; BENCHMARKS.md has the rates (Megatron
+``.bin`` and Arrow are memory-bound, JSONL pays a ``json.loads`` per record). A run of one
+process hashes everything itself.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from numpy.typing import NDArray
+
+from planner.sources.content import CHUNK_TOKENS, block_digest, block_starts, file_digest
+from runtime.data.plan_reader import PlanReader
+from runtime.data.tokens import TokenSource, open_token_source, read_segments
+
+__all__ = ["check_plan_source", "open_plan_source", "plan_skips_records", "verify_content"]
+
+Paths = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+
+
+def plan_skips_records(reader: PlanReader) -> bool:
+    """True if the plan was made with ``--skip-bad-records`` and skipped some: the token source
+    must then read bad records as empty samples, as the planner counted them."""
+    return int(reader.header.stats.get("skipped_bad_records", 0) or 0) > 0
+
+
+def open_plan_source(reader: PlanReader, paths: Paths) -> TokenSource:
+    """The plan's dataset, opened as the planner read it and checked against the plan.
+
+    Collective when the plan has content fingerprints and a process group is initialised
+    (every rank must call it, in the same order relative to other collectives).
+
+    Raises:
+        ValueError: the dataset is not the plan's (lengths or, with content fingerprints,
+            tokens), naming the plan and the file.
+    """
+    source = open_token_source(paths, skip_bad_records=plan_skips_records(reader))
+    try:
+        check_plan_source(reader, source)
+    except BaseException:
+        close = getattr(source, "close", None)
+        if close is not None:
+            close()
+        raise
+    return source
+
+
+def check_plan_source(reader: PlanReader, source: TokenSource) -> None:
+    """Steps 2 and 3 of the module docstring for a source the caller opened (collective with
+    content fingerprints, as ``open_plan_source``)."""
+    reader.check_dataset(source.lengths())
+    verify_content(reader, source)
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _block(source: TokenSource, lengths: NDArray[np.int64], a: int, b: int) -> bytes:
+    """Digest of the block holding samples [a, b), read in pieces of about CHUNK_TOKENS."""
+    kept = a + np.flatnonzero(lengths[a:b] > 0)
+    n = lengths[kept]
+    piece = (np.cumsum(n) - n) // CHUNK_TOKENS
+    cuts = np.r_[0, np.flatnonzero(np.diff(piece)) + 1, len(kept)]
+
+    def pieces():  # type: ignore[no-untyped-def]
+        for x, y in zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True):
+            s = kept[x:y]
+            yield read_segments(source, s, np.zeros(len(s), np.int64), lengths[s])
+
+    return block_digest(pieces())
+
+
+def verify_content(reader: PlanReader, source: TokenSource) -> None:
+    """Refuse ``source`` unless every file's tokens hash to the plan's content fingerprint
+    (nothing to do for a plan with lengths fingerprints only). See the module docstring for
+    the cost and the collective.
+
+    Raises:
+        ValueError: naming every file whose tokens changed (on every rank alike).
+    """
+    files = reader.header.dataset.files
+    if not any(f.get("content_fingerprint") for f in files):
+        return
+    lengths = np.asarray(source.lengths(), dtype=np.int64)
+    names = list(getattr(source, "names", [])) or [str(f["path"]) for f in files]
+    bounds = np.cumsum([0] + [int(f["num_samples"]) for f in files])
+    blocks: list[tuple[int, int, int]] = []  # (file, first sample, end sample), global indices
+    for j in range(len(files)):
+        starts = block_starts(lengths[bounds[j]:bounds[j + 1]]) + bounds[j]
+        blocks += [(j, int(x), int(y)) for x, y in zip(starts[:-1], starts[1:], strict=True)]
+    rank, world = _world()
+    digests = np.zeros((len(blocks), 32), dtype=np.uint8)
+    for g in range(rank, len(blocks), world):
+        _, a, b = blocks[g]
+        digests[g] = np.frombuffer(_block(source, lengths, a, b), dtype=np.uint8)
+    if world > 1 and len(blocks):
+        # Each block's digest is non-zero on one rank only: the sum is that digest exactly.
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if dist.get_backend() == "nccl" else torch.device("cpu"))
+        t = torch.from_numpy(digests.view(np.int64).copy()).to(device)
+        dist.all_reduce(t)
+        digests = t.cpu().numpy().view(np.uint8).reshape(len(blocks), 32)
+    owner = np.array([j for j, _, _ in blocks], dtype=np.int64)
+    changed = []
+    for j, f in enumerate(files):
+        got = file_digest([digests[g].tobytes() for g in np.flatnonzero(owner == j)])
+        if got != f.get("content_fingerprint"):
+            changed.append(f"{names[j] if j < len(names) else f['path']} (content fingerprint "
+                           f"{got}, the plan's {f.get('content_fingerprint')})")
+    if changed:
+        raise ValueError(f"{reader.path}: the tokens of {'; '.join(changed)} changed since "
+                         "planning (the lengths did not): this is not the dataset the plan was "
+                         "made for")
