@@ -15,7 +15,6 @@ sample, never a traceback; nothing is written unless the whole plan was made and
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -28,16 +27,13 @@ from planner.cliargs import (
     add_version,
     emit_summary,
     flag_message,
-    glue_negative_values,
     int_list,
     nonnegative_int,
     positive_int,
     refuse,
-    resolve_steps,
-    step_bounds,
-    step_range,
 )
 from planner.cliguard import Terminated, dataset_items, default_output, input_files, terminate
+from planner.clishow import cmd_show
 from planner.config import (
     EFFORTS,
     LONG_SEQUENCE_POLICIES,
@@ -320,65 +316,6 @@ def cmd_validate(argv: list[str]) -> int:
                  f"{result['format_version']}; invariants {what}checked)",
                  as_json=args.json, json_path="")
     return 0
-
-
-def cmd_show(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog=f"{PROG} show", formatter_class=HelpFormatter,
-                                description="Per-step table of a plan (or one step's rows).")
-    p.add_argument("plan", help="plan file (.arrow)")
-    p.add_argument("--steps", type=step_range, default=None, metavar="A:B",
-                   help="steps A..B-1, a Python slice: '-3:' is the last three, '5:' from step 5 "
-                   "(default: the first 50)")
-    p.add_argument("--step", type=int, metavar="I",
-                   help="print every row of this one step (-1: the last)")
-    p.add_argument("--json", action="store_true", help="one JSON object per step (JSON lines)")
-    args = p.parse_args(glue_negative_values(argv, ("--steps", "--step")))
-    from planner.notebook.view import read_plan, step_summary_row
-    from planner.planfile.validate import validate
-
-    view = read_plan(args.plan)
-    h = view.header
-    n = view.num_steps
-    # Never show numbers from a damaged or invalid plan: checksums and every invariant first.
-    validate(h, view._file, source=args.plan)
-    if args.step is not None:
-        if not -n <= args.step < n:
-            raise ValueError(f"--step {args.step} is out of range; the plan has {n} steps "
-                             f"({step_bounds(n)})")
-        t = view.step(args.step % n)
-        if args.json:
-            for row in t.to_pylist():
-                print(json.dumps(row, sort_keys=True))
-        else:
-            print(t.to_pandas().to_string(index=False) if _has_pandas() else t)
-        return 0
-    if args.steps is None:
-        steps = range(n if args.json else min(n, 50))
-    else:
-        steps = resolve_steps("--steps", args.steps, n)
-    cost = view.cost_model
-    cols = ["step", "microbatches", "groups", "samples", "real_tokens", "slot_fill",
-            "simulated_s", "lower_bound_s"] + [f"groups_cp{k}" for k in h.cp_sizes]
-    if args.json:
-        for i in steps:
-            print(json.dumps(step_summary_row(h, cost, i, view.step_columns(i)), sort_keys=True))
-        return 0
-    print("  ".join(f"{c:>12}" for c in cols))
-    for i in steps:
-        r = step_summary_row(h, cost, i, view.step_columns(i))
-        print("  ".join(f"{r[c]:>12.4f}" if isinstance(r[c], float) else f"{r[c]:>12}"
-                        for c in cols))
-    if steps.stop < n:
-        print(f"... {n - steps.stop} more steps (use --steps)")
-    return 0
-
-
-def _has_pandas() -> bool:
-    try:
-        import pandas  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,6 +40,16 @@ Block = tuple[int, int]
 """(rank_start, cp_size): an aligned block of pool ranks."""
 
 
+def set_group_timeout(group: dist.ProcessGroup | None, timeout: timedelta) -> None:
+    """Bound every later collective of ``group`` (None: the default group) by ``timeout``.
+
+    ``torch.distributed.set_timeout`` where torch has it (torchtitan calls it), else the
+    private setter behind it (torch 2.13 has only that; it handles gloo and NCCL).
+    """
+    setter = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+    setter(timeout, group)
+
+
 class GroupCatalog:
     """This rank's view of the catalog's process groups; build with ``create`` or ``from_groups``.
 
@@ -62,6 +72,14 @@ class GroupCatalog:
         self._pool = pool_group
         self.creation_log: list[tuple[int, ...]] = list(creation_log)
         """Global ranks of every group created, in creation order (identical on all ranks)."""
+
+    def groups(self) -> list[dist.ProcessGroup]:
+        """Every distinct process group this rank holds (CP, TP x CP and pool groups)."""
+        found: dict[int, dist.ProcessGroup] = {}
+        for g in [*self._cp.values(), *self._tp_cp.values(), self._pool]:
+            if g is not None:
+                found.setdefault(id(g), g)
+        return list(found.values())
 
     @classmethod
     def create(

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -59,9 +60,10 @@ class MegatronGroups:
         return self.self_group if group is None else group
 
 
-def _self_group() -> dist.ProcessGroup:
+def _self_group(timeout: timedelta | None) -> dist.ProcessGroup:
     # Local synchronisation: only this rank takes part, so ranks need not agree on an order.
-    group: dist.ProcessGroup = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    group: dist.ProcessGroup = dist.new_group([dist.get_rank()], use_local_synchronization=True,
+                                              timeout=timeout)
     return group
 
 
@@ -83,11 +85,14 @@ def _collection(topology: Topology, catalog: GroupCatalog, self_group: dist.Proc
     return pgc
 
 
-def create_groups(topology: Topology, cp_sizes: Sequence[int]) -> MegatronGroups:
+def create_groups(topology: Topology, cp_sizes: Sequence[int], *,
+                  timeout: timedelta | None = None) -> MegatronGroups:
     """Create every group a plan and Megatron's schedules need (collective, same args on every
-    rank); the default process group must span the topology's world."""
-    catalog = GroupCatalog.create(topology, cp_sizes)
-    self_group = _self_group()
+    rank); the default process group must span the topology's world. ``timeout`` bounds every
+    collective of every group created (``--distributed-timeout-minutes``; torch's ``new_group``
+    does not inherit the default group's); None keeps torch's default (30 min for gloo)."""
+    catalog = GroupCatalog.create(topology, cp_sizes, timeout=timeout)
+    self_group = _self_group(timeout)
     t = topology
     me = t.rank
     tp_group = pp_group = self_group
@@ -96,14 +101,14 @@ def create_groups(topology: Topology, cp_sizes: Sequence[int]) -> MegatronGroups
         for pp_rank in range(t.pp):
             for pool_rank in range(t.pool_size):
                 ranks = [t.global_rank(pool_rank, r, pp_rank) for r in range(t.tp)]
-                g = dist.new_group(ranks)
+                g = dist.new_group(ranks, timeout=timeout)
                 if me in ranks:
                     tp_group = g
     if t.pp > 1:
         for pool_rank in range(t.pool_size):
             for tp_rank in range(t.tp):
                 ranks = [t.global_rank(pool_rank, tp_rank, p) for p in range(t.pp)]
-                g = dist.new_group(ranks)
+                g = dist.new_group(ranks, timeout=timeout)
                 if me in ranks:
                     pp_group = g
         for pool_rank in range(t.pool_size):
@@ -111,7 +116,7 @@ def create_groups(topology: Topology, cp_sizes: Sequence[int]) -> MegatronGroups
                 # The first and the last stage hold the two copies of tied embeddings.
                 ranks = [t.global_rank(pool_rank, tp_rank, 0),
                          t.global_rank(pool_rank, tp_rank, t.pp - 1)]
-                g = dist.new_group(ranks)
+                g = dist.new_group(ranks, timeout=timeout)
                 if me in ranks:
                     embd = g
     pgc = _collection(topology, catalog, self_group, tp_group, pp_group, embd)
@@ -119,8 +124,12 @@ def create_groups(topology: Topology, cp_sizes: Sequence[int]) -> MegatronGroups
                           self_group=self_group)
 
 
-def groups_from_parallel_state(topology: Topology, cp_sizes: Sequence[int]) -> MegatronGroups:
+def groups_from_parallel_state(topology: Topology, cp_sizes: Sequence[int], *,
+                               timeout: timedelta | None = None) -> MegatronGroups:
     """Wrap the groups of an initialised Megatron ``parallel_state`` (hybrid DP x CP enabled).
+
+    Megatron's groups keep the timeout ``initialize_model_parallel(distributed_timeout_minutes=)``
+    gave them; ``timeout`` is for the one group made here (this rank alone).
 
     Raises:
         ValueError: Megatron's groups do not hold the ranks the plan's blocks need (another rank
@@ -146,7 +155,7 @@ def groups_from_parallel_state(topology: Topology, cp_sizes: Sequence[int]) -> M
                                  "parallel_state with hybrid_context_parallel=True") from e
     pool = ps.get_data_parallel_group(with_context_parallel=True) if n > 1 else None
     catalog = GroupCatalog.from_groups(topology, mapping, pool_group=pool)
-    self_group = _self_group()
+    self_group = _self_group(timeout)
     pgc = mcore.ProcessGroupCollection.use_mpu_process_groups()
     pgc.cp = self_group
     return MegatronGroups(topology=topology, catalog=catalog, pg_collection=pgc,

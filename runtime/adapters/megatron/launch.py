@@ -26,7 +26,7 @@ def launch(cfg: TrainConfig, model_config: GPTConfig, *, reference: bool) -> int
     """Run ``cfg`` through Megatron-core (``reference``: its one-process oracle); exit status."""
     if reference and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("--reference runs in one process; launch it without torchrun")
-    created = init_process_group(cfg.device)
+    created = init_process_group(cfg.device, cfg.distributed_timeout_minutes)
     try:
         if reference:
             train_reference(cfg, model_config)

@@ -38,10 +38,12 @@ from runtime.train.common import (
     StepLogger,
     TrainConfig,
     TrainResult,
+    pg_timeout,
     resolve_device,
     should_evaluate,
     step_range,
 )
+from runtime.train.guards import nonfinite_ok
 from runtime.train.model import GPTConfig
 from runtime.train.oracle import sequences_of_step
 
@@ -61,7 +63,8 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
         header = reader.header
         par = ModelParallel(dtype=DTYPES[cfg.dtype])
         config = transformer_config(model_config, par)
-        groups = create_groups(Topology(world_size=1, rank=0, dp=1, cp=1), (1,))
+        groups = create_groups(Topology(world_size=1, rank=0, dp=1, cp=1), (1,),
+                               timeout=pg_timeout(cfg.distributed_timeout_minutes))
         chunks = build_chunks(model_config, config, groups.pg_collection, attention="sequence",
                               pp_rank=0, max_sequence_length=header.capacity_tokens_per_rank
                               * header.parallel.pool_size)
@@ -153,9 +156,13 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, reader: Plan
     for p in model.parameters():
         if p.grad is not None:
             p.grad.div_(max(count, 1.0))
-    optimizer.step()
+    skipped = not nonfinite_ok(step, total / max(count, 1.0),
+                               [p.grad for p in model.parameters() if p.grad is not None],
+                               skip=cfg.skip_nonfinite_steps)
+    if not skipped:
+        optimizer.step()
     return StepLog(step=step, loss=total / max(count, 1.0), tokens=tokens, loss_tokens=int(count),
-                   microbatches=0, seconds=time.perf_counter() - t0)
+                   microbatches=0, seconds=time.perf_counter() - t0, skipped=skipped)
 
 
 __all__ = ["train_reference"]

@@ -55,10 +55,12 @@ from runtime.train.common import (
     StepLogger,
     TrainConfig,
     TrainResult,
+    pg_timeout,
     resolve_device,
     should_evaluate,
     step_range,
 )
+from runtime.train.guards import nonfinite_ok
 from runtime.train.model import GPTConfig
 
 ATTENTION_SPECS = {"reference": "plan", "te": "te"}
@@ -103,7 +105,8 @@ class MegatronTrainer:
         topology = Topology.from_header(header.parallel, rank=dist.get_rank(),
                                         world_size=dist.get_world_size())
         if groups is None:
-            groups = create_groups(topology, header.cp_sizes)
+            groups = create_groups(topology, header.cp_sizes,
+                                   timeout=pg_timeout(cfg.distributed_timeout_minutes))
         elif groups.topology != topology:
             raise ValueError(f"groups built for {groups.topology}, the plan needs {topology}")
         self.groups, self.topology = groups, topology
@@ -162,14 +165,19 @@ class MegatronTrainer:
             c.zero_grad_buffer()
         num_microbatches = self.batches.num_microbatches(step)
         reports = self.run_schedule(self.batches.data_iterator(step), num_microbatches, False)
-        self.optimizer.step()
         loss_sum, count = self._step_loss(reports)
+        # Ranks hold different shards (TP) and stages (PP): all agree on the verdict.
+        grads = [p.grad for c in self.chunks for p in c.parameters() if p.grad is not None]
+        skipped = not nonfinite_ok(step, loss_sum / max(count, 1.0), grads,
+                                   skip=self.cfg.skip_nonfinite_steps, agree=True)
+        if not skipped:
+            self.optimizer.step()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         tokens = int(np.asarray(self.reader.step(step).num_tokens, dtype=np.int64).sum())
         return StepLog(step=step, loss=loss_sum / max(count, 1.0), tokens=tokens,
                        loss_tokens=int(count), microbatches=num_microbatches,
-                       seconds=time.perf_counter() - t0)
+                       seconds=time.perf_counter() - t0, skipped=skipped)
 
     def run_schedule(self, data_iterator: Any, num_microbatches: int, forward_only: bool
                      ) -> list[dict[str, torch.Tensor]]:

@@ -12,6 +12,7 @@ same config written by hand. Fixed choices, each forced by the plan:
   every microbatch);
 - AdamW with torchtitan's defaults (betas 0.9/0.95, eps 1e-8), the for-loop implementation
   (the oracle runs the same per-tensor arithmetic), constant learning rate;
+- ``comm``: both timeouts = ``--distributed-timeout-minutes``;
 - checkpointing through torchtitan's checkpointer: ``--save DIR`` writes ``DIR/step-N`` (every
   ``--save-every`` steps and at the end), ``--resume DIR`` loads the latest ``DIR/step-N``.
 """
@@ -27,6 +28,7 @@ from runtime.adapters.torchtitan.data import PlanDataLoader, PlanTokenizer
 from runtime.adapters.torchtitan.model import llama3_config, model_spec
 from runtime.adapters.torchtitan.titan import (
     CheckpointManager,
+    CommConfig,
     CrossEntropyLoss,
     LRSchedulersContainer,
     ParallelismConfig,
@@ -98,6 +100,7 @@ def trainer_config(cfg: TrainConfig, model_config: GPTConfig, *,
                               eps=ADAMW_EPS)
     optimizer.implementation = "for-loop"
     param_dtype = "bfloat16" if cfg.dtype == "bf16" else "float32"
+    timeout_s = max(1, round(cfg.distributed_timeout_minutes * 60))  # torchtitan takes int s
     return PlanTrainer.Config(
         model_spec=model_spec(llama3_config(model_config, max_seq_len=seq_len)),
         hf_assets_path="",
@@ -117,7 +120,11 @@ def trainer_config(cfg: TrainConfig, model_config: GPTConfig, *,
                                       spmd_backend="partial_dtensor"),
         metrics=PlanMetrics.Config(log_freq=1),
         checkpoint=checkpoint,
+        # --distributed-timeout-minutes: torchtitan's two timeouts (start-up and first step;
+        # later steps), which PlanTrainer also gives the mesh and the plan's CP groups.
+        comm=CommConfig(init_timeout_seconds=timeout_s, train_timeout_seconds=timeout_s),
         validator=validator_config(cfg, last_step=stop),
         activation_checkpoint=None,
         attention=cfg.attention, seed=cfg.seed, log_jsonl=cfg.log_jsonl, quiet=cfg.quiet,
-        summary_json=cfg.summary_json, json_summary=cfg.json, progress=cfg.progress)
+        summary_json=cfg.summary_json, json_summary=cfg.json, progress=cfg.progress,
+        skip_nonfinite_steps=cfg.skip_nonfinite_steps)

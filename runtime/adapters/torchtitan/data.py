@@ -22,6 +22,7 @@ import functools
 import hashlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -116,6 +117,9 @@ class PlanDataLoader(BaseDataLoader):
         """When > 0, token ids must be below it (a clear error names step and samples)."""
         datasets: list[str] = field(default_factory=list)
         """Several dataset items in order (files, directories, globs); empty: ``dataset``."""
+        timeout_seconds: float | None = None
+        """Timeout of the plan's CP groups; None: ``PlanTrainer`` sets the trainer's
+        ``comm.train_timeout_seconds`` (torch's default, 30 min for gloo, if built alone)."""
         # ``dataset`` (inherited): the dataset the plan was made for.
 
     def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int,
@@ -140,8 +144,11 @@ class PlanDataLoader(BaseDataLoader):
             self.lengths = self.source.lengths()
             self.topology = _check_job(self.reader, dp_world_size, dp_rank)
             # Collective: every rank creates every group of the plan, in catalog order.
+            timeout = (None if config.timeout_seconds is None
+                       else timedelta(seconds=config.timeout_seconds))
             self.catalog = catalog or GroupCatalog.create(self.topology,
-                                                          self.reader.header.cp_sizes)
+                                                          self.reader.header.cp_sizes,
+                                                          timeout=timeout)
             self.replayer = Replayer(self.reader, self.source, self.topology, self.catalog,
                                      check_dataset=False)  # checked above
         except BaseException:

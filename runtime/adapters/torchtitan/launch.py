@@ -37,7 +37,7 @@ def launch(cfg: TrainConfig, model_config: GPTConfig, *, reference: bool) -> int
             raise ValueError("--reference runs in one process; launch it without torchrun")
         train_reference(cfg, model_config)
         return 0
-    created = init_process_group(cfg.device)
+    created = init_process_group(cfg.device, cfg.distributed_timeout_minutes)
     try:
         trainer = build_trainer(cfg, model_config)
         try:

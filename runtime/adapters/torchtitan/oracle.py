@@ -32,6 +32,7 @@ from runtime.train.common import (
     resolve_device,
     should_evaluate,
 )
+from runtime.train.guards import nonfinite_ok
 from runtime.train.model import GPTConfig
 from runtime.train.oracle import sequences_of_step
 
@@ -117,10 +118,14 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig) -> TrainResult:
             for p in model.parameters():
                 if p.grad is not None:
                     p.grad.div_(max(count, 1.0))
-            optimizer.step()
+            skipped = not nonfinite_ok(step, total / max(count, 1.0),
+                                       [p.grad for p in model.parameters() if p.grad is not None],
+                                       skip=cfg.skip_nonfinite_steps)
+            if not skipped:
+                optimizer.step()
             log = StepLog(step=step, loss=total / max(count, 1.0), tokens=tokens,
                           loss_tokens=int(count), microbatches=0,
-                          seconds=time.perf_counter() - t0)
+                          seconds=time.perf_counter() - t0, skipped=skipped)
             result.logs.append(log)
             logger.write(log)
             if evaluation is not None and should_evaluate(cfg, step, stop - 1):

@@ -61,7 +61,7 @@ with warnings.catch_warnings():
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
     from torchtitan.components.tokenizer import BaseTokenizer
     from torchtitan.components.validate import Validator
-    from torchtitan.config import ParallelismConfig, TrainingConfig
+    from torchtitan.config import CommConfig, ParallelismConfig, TrainingConfig
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
     from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
@@ -112,15 +112,31 @@ def _cpu_local_device() -> None:
     _utils.get_local_device = local_cpu
 
 
-def _cpu_pg_timeouts() -> None:
-    """``distributed/utils.py``: ``set_pg_timeouts`` (after the first step) runs
-    ``barrier(device_ids=[...])``, which gloo rejects, and ``device_module.synchronize``. On CPU
-    the groups keep the timeout they were created with."""
+def _pg_timeouts() -> None:
+    """``distributed/utils.py``: ``set_pg_timeouts`` (after the first step: every mesh group and
+    the default group get ``comm.train_timeout_seconds``) runs ``barrier(device_ids=[...])``,
+    which gloo rejects, and calls ``torch.distributed.set_timeout``, which torch 2.13 does not
+    have. The same barrier-then-set, with a barrier gloo takes and torch's setter
+    (``runtime.dist.groups.set_group_timeout``); applied on CPU, and on CUDA where torch lacks
+    ``set_timeout``."""
+    from runtime.dist.groups import set_group_timeout
 
-    def keep_timeouts(timeout: timedelta, parallel_dims: Any) -> None:
-        del timeout, parallel_dims
+    def set_pg_timeouts(timeout: timedelta, parallel_dims: Any) -> None:
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[torch.cuda.current_device()])
+            torch.cuda.synchronize()
+        else:
+            torch.distributed.barrier()
+        for group in mesh_groups(parallel_dims) + [None]:
+            set_group_timeout(group, timeout)
 
-    _dist_utils.set_pg_timeouts = keep_timeouts
+    _dist_utils.set_pg_timeouts = set_pg_timeouts
+
+
+def mesh_groups(parallel_dims: Any) -> list[Any]:
+    """The process group of every one-dimensional mesh of torchtitan's ``ParallelDims``."""
+    return [mesh.get_group()
+            for mesh in parallel_dims.get_all_one_dimensional_meshes().values()]
 
 
 def _cpu_peak_flops() -> None:
@@ -140,7 +156,8 @@ if DEVICE_TYPE == "cpu":
     _cpu_peak_flops()
     _cpu_memory_monitor()
     _cpu_local_device()
-    _cpu_pg_timeouts()
+if DEVICE_TYPE == "cpu" or not hasattr(torch.distributed, "set_timeout"):
+    _pg_timeouts()
 
 
 def gloo_sum_reduction(model: torch.nn.Module) -> None:
@@ -172,6 +189,7 @@ __all__ = [
     "BaseDataLoader",
     "BaseTokenizer",
     "CheckpointManager",
+    "CommConfig",
     "ComplexRoPE",
     "CrossEntropyLoss",
     "Embedding",
@@ -194,6 +212,7 @@ __all__ = [
     "init_logger",
     "make_ffn_config",
     "make_gqa_config",
+    "mesh_groups",
     "parallelize_llama",
     "quiet_cpu_dtensor_warnings",
     "torchtitan",

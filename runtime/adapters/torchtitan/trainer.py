@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -39,12 +40,15 @@ from runtime.adapters.torchtitan.titan import (
     MetricsProcessor,
     Trainer,
     gloo_sum_reduction,
+    mesh_groups,
     quiet_cpu_dtensor_warnings,
 )
 from runtime.adapters.torchtitan.validate import PlanValidator
 from runtime.data.batch import to_device
+from runtime.dist.groups import set_group_timeout
 from runtime.train.backends import ATTENTIONS, AttentionBackend, make_backend
 from runtime.train.common import EvalLog, StepLog, StepLogger, TrainConfig
+from runtime.train.guards import nonfinite_ok
 
 
 class PlanMetrics(MetricsProcessor):
@@ -109,6 +113,9 @@ class PlanTrainer(Trainer):
         """File the end-of-run summary is written to as JSON."""
         progress: bool = True
         """A progress bar on stderr when it is a terminal (rank 0)."""
+        skip_nonfinite_steps: bool = False
+        """Skip the optimizer update of a step whose loss or gradients are not finite (logged
+        ``"skipped": true``) instead of stopping with an error naming the step."""
 
     config: Config
     dataloader: PlanDataLoader
@@ -117,8 +124,17 @@ class PlanTrainer(Trainer):
         if config.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got "
                              f"{config.attention!r}")
+        if config.dataloader.timeout_seconds is None:
+            # The plan's CP groups carry the training timeout from the start (they are used in
+            # training steps only); torchtitan's own groups follow its two-phase rule below.
+            config.dataloader.timeout_seconds = config.comm.train_timeout_seconds
         with quiet_cpu_dtensor_warnings():
             super().__init__(config)
+        # torchtitan's mesh groups are made with torch's default timeout (30 min for gloo);
+        # its comm.init_timeout_seconds holds until the first step, comm.train_timeout_seconds
+        # after it (torchtitan's set_pg_timeouts).
+        for group in mesh_groups(self.parallel_dims):
+            set_group_timeout(group, timedelta(seconds=config.comm.init_timeout_seconds))
         model = self.model_parts[0]
         if dist.get_backend() == "gloo":
             gloo_sum_reduction(model)
@@ -127,6 +143,7 @@ class PlanTrainer(Trainer):
         shape = gpt_shape(self.model_config)
         self.backend = make_backend(config.attention, self.dataloader.reader.layout, shape)
         self._masks: PlanMasks | None = None
+        self._loss_sum = torch.zeros((), dtype=torch.float64)
         loader = self.dataloader.config
         self.step_logger = StepLogger(
             TrainConfig(plan=loader.plan, dataset=loader.dataset, datasets=tuple(loader.datasets),
@@ -176,7 +193,19 @@ class PlanTrainer(Trainer):
                     input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens)
             finally:
                 self._masks = None
+        self._loss_sum += loss.detach().double()  # this rank's share of the step's mean loss
         return loss
+
+    def _guarded_optimizer_step(self, plan_step: int) -> bool:
+        """The non-finite guard (``runtime.train.guards.nonfinite_ok``, as the native trainer)
+        before torchtitan's optimizer step: every rank holds other FSDP shards, so the ranks
+        agree on the verdict. True if the update ran."""
+        loss = self._loss_sum.clone()
+        if dist.get_world_size() > 1:
+            dist.all_reduce(loss)  # every pool rank is a data-parallel replica
+        grads = [p.grad for m in self.model_parts for p in m.parameters() if p.grad is not None]
+        return nonfinite_ok(plan_step, float(loss), grads,
+                            skip=self.config.skip_nonfinite_steps, agree=True)
 
     def train_step(self, data_iterator: Iterator[tuple[dict[str, Any], torch.Tensor]]) -> None:
         plan_step = self.step - 1  # torchtitan counts steps from 1, plans from 0
@@ -187,7 +216,25 @@ class PlanTrainer(Trainer):
         if not self.logs:
             self.step_logger.begin(self.config.training.steps - plan_step)
         t0 = time.perf_counter()
-        super().train_step(data_iterator)
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        optimizers = self.optimizers
+        update = optimizers.step
+        skipped = False
+
+        def guarded_step(*args: Any, **kwargs: Any) -> Any:
+            nonlocal skipped
+            if self._guarded_optimizer_step(plan_step):
+                return update(*args, **kwargs)
+            skipped = True
+            return None
+
+        # torchtitan's train_step calls optimizers.step() right after its gradient clipping:
+        # the guard runs there, for this step only.
+        optimizers.step = guarded_step  # type: ignore[method-assign]
+        try:
+            super().train_step(data_iterator)
+        finally:
+            del optimizers.step  # the class's method again
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         metrics = self.metrics_processor
@@ -196,7 +243,7 @@ class PlanTrainer(Trainer):
         log = StepLog(step=plan_step, loss=metrics.last_loss, tokens=tokens,
                       loss_tokens=loss_tokens,
                       microbatches=self.gradient_accumulation_steps,
-                      seconds=time.perf_counter() - t0)
+                      seconds=time.perf_counter() - t0, skipped=skipped)
         self.logs.append(log)
         self.step_logger.write(log)
 
