@@ -68,7 +68,8 @@ def block_starts(lengths: NDArray[np.integer]) -> NDArray[np.int64]:
     before = (np.cumsum(lengths) - lengths)[kept]
     block = before // BLOCK_TOKENS
     first = kept[np.r_[True, block[1:] != block[:-1]]] if len(kept) else kept
-    return np.r_[first, len(lengths)].astype(np.int64)
+    out: NDArray[np.int64] = np.r_[first, len(lengths)].astype(np.int64)
+    return out
 
 
 def block_digest(chunks: Iterator[NDArray[np.integer]]) -> bytes:
@@ -180,14 +181,14 @@ def file_content_fingerprint(path: str, fmt: str, lengths: NDArray[np.integer],
         ValueError: the file holds no tokens (a ``.txt`` of lengths, a ``length`` field), or is
             unreadable, naming it.
     """
-    lengths = np.asarray(lengths, dtype=np.int64)
-    h = StreamHasher(lengths)
+    n: NDArray[np.int64] = np.asarray(lengths, dtype=np.int64)
+    h = StreamHasher(n)
     if fmt == "jsonl":
-        chunks = _jsonl(path, lengths, field)
+        chunks = _jsonl(path, n, field)
     elif fmt in ("parquet", "arrow"):
-        chunks = _columnar(path, fmt, lengths, field)
+        chunks = _columnar(path, fmt, n, field)
     elif fmt == "megatron":
-        chunks = _megatron(path, lengths)
+        chunks = _megatron(path, n)
     else:
         raise ValueError(f"{path}: --fingerprint content needs token data; a {fmt} file holds "
                          "lengths only")
@@ -241,7 +242,7 @@ def _int_list(t: pa.DataType) -> bool:
 def token_column(path: str, schema: pa.Schema, field: str | None) -> str:
     """The token column the runtime reads (``runtime.data.token_files.ArrowTokens``' rule):
     ``field``, else ``input_ids``, then ``tokens``, then the only list-of-integers column."""
-    candidates = [f.name for f in schema if _int_list(f.type)]
+    candidates: list[str] = [str(f.name) for f in schema if _int_list(f.type)]
     if field is not None:
         if field not in candidates:
             raise ValueError(f"{path}: column {field!r} is not a list-of-integers column; "

@@ -24,7 +24,7 @@ process hashes everything itself.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -87,7 +87,7 @@ def _block(source: TokenSource, lengths: NDArray[np.int64], a: int, b: int) -> b
     piece = (np.cumsum(n) - n) // CHUNK_TOKENS
     cuts = np.r_[0, np.flatnonzero(np.diff(piece)) + 1, len(kept)]
 
-    def pieces():  # type: ignore[no-untyped-def]
+    def pieces() -> Iterator[NDArray[np.int64]]:
         for x, y in zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True):
             s = kept[x:y]
             yield read_segments(source, s, np.zeros(len(s), np.int64), lengths[s])

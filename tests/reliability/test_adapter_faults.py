@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -92,7 +91,8 @@ def test_megatron_groups_take_the_timeout(tp: int, pp: int) -> None:
     """Every group ``create_groups`` makes: the plan's CP and TP x CP groups, TP, PP, the
     tied-embedding group and this rank's own group (4 ranks: tp 2 x pool 2, pp 2 x pool 2)."""
     for got in run_distributed(_megatron_groups, 4, tp, pp):
-        assert got and set(got) == {TIMEOUT_MIN * 60}, got
+        assert len(got) >= 4
+        assert set(got) == {TIMEOUT_MIN * 60}, got
 
 
 def _megatron_rank(rank: int, world: int, store: str, cfg: TrainConfig) -> dict[str, Any]:
@@ -174,6 +174,7 @@ def _check(ranks: list[dict[str, Any]], oracle: list[Any]) -> None:
             assert g.loss_tokens == w.loss_tokens
             assert abs(g.loss - w.loss) <= TOL * abs(w.loss), (g.step, g.loss, w.loss)
         assert r["stop"].startswith("step 1: the "), r["stop"]
-        assert "not finite" in r["stop"] and "--skip-nonfinite-steps" in r["stop"]
+        assert "not finite" in r["stop"]
+        assert "--skip-nonfinite-steps" in r["stop"]
         assert r["skip"] == [False, True, True]
     assert len({r["stop"] for r in ranks}) == 1

@@ -173,18 +173,25 @@ def test_validate_and_show_refuse_a_damaged_plan(tmp_path: Path,
 
 def test_show_step_out_of_range_and_negative_ranges(tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    """Before: ``IndexError`` tracebacks. Now a usage error naming the plan's range, exit 2."""
+    """Before: ``IndexError`` tracebacks. Now an error naming the plan's range, exit 2; a
+    negative range is a Python slice (``-3:`` of 2 steps is both; more in test_input_errors)."""
     path = _plan(tmp_path)
-    for argv, want in ((["--step", "999"], "--step 999: the plan has steps 0..1"),
-                       (["--steps=-3:"], "expected 0 <= A <= B"),
-                       (["--steps", "5:"], "--steps: the plan has steps 0..1"),
-                       (["--steps", "a:b"], "expected a step range A:B")):
-        with pytest.raises(SystemExit) as e:
-            main(["show", str(path), *argv])
-        assert e.value.code == 2
+    for argv, want in ((["--step", "999"], "--step 999 is out of range; the plan has 2 steps "
+                        "(0..1, or -2..-1 from the end)"),
+                       (["--steps", "5:"], "--steps 5: selects no step; the plan has 2 steps")):
+        assert main(["show", str(path), *argv]) == 2
         err = capsys.readouterr().err
         assert want in err
         assert no_traceback(err)
+    with pytest.raises(SystemExit) as e:
+        main(["show", str(path), "--steps", "a:b"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "expected a step range A:B" in err
+    assert no_traceback(err)
+    assert main(["show", str(path), "--steps=-3:"]) == 0
+    rows = capsys.readouterr().out.strip().splitlines()[1:]
+    assert [r.split()[0] for r in rows] == ["0", "1"]
     assert main(["show", str(path), "--steps", "1:"]) == 0
     rows = capsys.readouterr().out.strip().splitlines()[1:]
     assert [r.split()[0] for r in rows] == ["1"]

@@ -230,7 +230,7 @@ class PlanTrainer(Trainer):
 
         # torchtitan's train_step calls optimizers.step() right after its gradient clipping:
         # the guard runs there, for this step only.
-        optimizers.step = guarded_step  # type: ignore[method-assign]
+        optimizers.step = guarded_step
         try:
             super().train_step(data_iterator)
         finally:
