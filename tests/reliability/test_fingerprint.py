@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +30,13 @@ from runtime.data.plan_reader import PlanReader
 from runtime.data.plan_source import open_plan_source
 from runtime.train.cli import main as train_main
 from tests.dist import run_distributed
-from tests.reliability.helpers import TRAIN_FLAGS, no_traceback, pool1_plan, write_token_jsonl
+from tests.reliability.helpers import (
+    ROOT,
+    TRAIN_FLAGS,
+    no_traceback,
+    pool1_plan,
+    write_token_jsonl,
+)
 
 FORMATS = ["jsonl", "jsonl.gz", "jsonl.zst", "parquet", "arrow", "stream.arrow", "megatron"]
 PLAN = ["--dp", "1", "--cp", "1", "--max-tokens-per-rank", "512", "--global-batch-size", "16",
@@ -186,3 +194,26 @@ def test_content_fingerprint_needs_tokens(tmp_path: Path,
     err = capsys.readouterr().err
     assert f"{path}: --fingerprint content needs token data; a text file holds lengths" in err
     assert not (tmp_path / "p.arrow").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", ["megatron", "torchtitan"])
+def test_framework_adapters_refuse_edited_tokens(tmp_path: Path, framework: str) -> None:
+    """``dcp-train --framework megatron|torchtitan`` (and each ``--reference``) read the dataset
+    through the same check: edited tokens stop them before the first step, naming the file."""
+    pytest.importorskip("megatron.core" if framework == "megatron" else "torchtitan")
+    data = write_token_jsonl(tmp_path / "d.jsonl")
+    plan = pool1_plan(plan_main, data, tmp_path / "content.arrow", "--fingerprint", "content")
+    rec = json.loads(data.read_text().splitlines()[5])
+    rec["input_ids"][-1] = (rec["input_ids"][-1] + 7) % 64
+    lines = data.read_text().splitlines()
+    lines[5] = json.dumps(rec)
+    data.write_text("\n".join(lines) + "\n")
+    for extra in ([], ["--reference"]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "runtime.train", "--framework", framework, "--plan",
+             str(plan), "--dataset", str(data), *TRAIN_FLAGS,
+             "--steps", "1", *extra], capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert f"the tokens of {data} (content fingerprint" in proc.stderr
+        assert no_traceback(proc.stderr)
