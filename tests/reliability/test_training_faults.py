@@ -166,6 +166,16 @@ def test_plan_made_with_skip_bad_records_trains(tmp_path: Path) -> None:
     common = ["--plan", str(plan), "--dataset", str(data), *TRAIN_FLAGS, "--steps", "2"]
     assert train_main(common) == 0
     assert train_main([*common, "--reference"]) == 0
+    # An eval plan of a held-out set with bad records evaluates too (the evaluators open it
+    # through the same runtime.data.plan_source.open_plan_source).
+    held = write_token_jsonl(tmp_path / "held.jsonl", seed=5, bad_lines=(1,))
+    eval_plan = tmp_path / "eval.arrow"
+    assert plan_main([str(held), "--eval", "-o", str(eval_plan), "--dp", "1", "--cp", "1",
+                      "--max-tokens-per-rank", "256", "--global-batch-size", "6", "--quiet",
+                      "--skip-bad-records"]) == 0
+    evals = ["--eval-plan", str(eval_plan), "--eval-dataset", str(held)]
+    assert train_main([*common, *evals]) == 0
+    assert train_main([*common, *evals, "--reference"]) == 0
 
 
 def _stalled_peer(rank: int, world_size: int, store_path: str, timeout_s: float) -> float:
