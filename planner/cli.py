@@ -32,11 +32,13 @@ from planner.cliargs import (
     positive_int,
     refuse,
 )
+from planner.cliengine import add_engine_arguments, engine_settings
 from planner.cliguard import Terminated, dataset_items, default_output, input_files, terminate
 from planner.clishow import cmd_show
 from planner.config import (
     EFFORTS,
     LONG_SEQUENCE_POLICIES,
+    EngineError,
     ParallelConfig,
     PlannerConfig,
     SolverConfig,
@@ -87,6 +89,7 @@ FLAGS = {
     "tp=": "--tp ",
     "epochs=": "--epochs ",
     "workers=": "--workers ",
+    "ray_address": "--ray-address",
     "field=": "--field ",
 }
 """Python field names in library errors -> the flags a command-line user sets."""
@@ -189,8 +192,7 @@ def _plan_parser() -> argparse.ArgumentParser:
     sol.add_argument("--microbatch-tolerance", type=float, default=0.01, metavar="F",
                      help="take more microbatches than the fewest that fit only when that is "
                      "faster by more than F (relative); larger F gives fuller slots")
-    sol.add_argument("--workers", type=positive_int, default=1,
-                     help="processes that plan steps in parallel (the plan is the same for any N)")
+    add_engine_arguments(sol)
     out = p.add_argument_group("output")
     add_json_arguments(out)
     out.add_argument("--quiet", action="store_true", help="no summary and no progress bar")
@@ -212,6 +214,7 @@ def cmd_plan(argv: list[str]) -> int:
     if weights is not None and args.global_batch_tokens:
         parser.error("--data-path weights draw a number of samples per step: use "
                      "--global-batch-size with them, not --global-batch-tokens")
+    engine = engine_settings(parser, args)  # before reading: Ray there if asked for
     from planner.cost import load_cost_model
     from planner.plan import PlanStream
     from planner.planfile.io import check_output_path, write_plan_stream
@@ -233,7 +236,7 @@ def cmd_plan(argv: list[str]) -> int:
         cp_sizes=args.cp_sizes, kind="eval" if args.eval else "train",
         min_cp=args.min_cp, long_sequences=args.long_sequences, drop_last=args.drop_last,
         pad_to_multiple=args.pad_to_multiple,
-        effort=args.effort, cost_model=args.cost_model, workers=args.workers,
+        effort=args.effort, cost_model=args.cost_model, **engine,
         blend=tuple(weights or ()),
         solver=SolverConfig(microbatch_tolerance=args.microbatch_tolerance))
     cost = load_cost_model(args.cost_model)
@@ -330,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `dcp-plan show ... | head`: the reader left; not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, EngineError) as e:
         print(f"{PROG}: error: {flag_message(str(e), FLAGS)}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, Terminated) as e:

@@ -13,6 +13,14 @@ from planner.planfile.schema import EVAL, PLAN_KINDS
 
 LONG_SEQUENCE_POLICIES = ("error", "split", "truncate", "drop")
 EFFORTS = ("fast", "balanced", "max")
+ENGINES = ("local", "ray")
+"""Where step ranges are planned (solver/parallel.py): this machine's processes, or Ray tasks."""
+
+
+class EngineError(RuntimeError):
+    """A planning engine failed for a reason outside the planner and its input: a Ray worker or
+    node died, the cluster could not be reached or went away. ``dcp-plan`` reports it in one
+    line, as it does bad input."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -134,7 +142,13 @@ class PlannerConfig:
     solver: SolverConfig = SolverConfig()
     """Solver knobs (tolerances, refinement threshold, CP-SAT budget)."""
     workers: int = 1
-    """Processes that plan steps in parallel; the plan is identical for every value."""
+    """Processes (``engine="local"``) or Ray CPU slots (``"ray"``; 0: every CPU of the Ray
+    cluster) that plan steps in parallel; the plan is identical for every value."""
+    engine: str = "local"
+    """Where steps are planned: ``local`` (this machine) or ``ray`` (Ray tasks); same plan."""
+    ray_address: str = ""
+    """With ``engine="ray"``: the Ray cluster to use (``ray.init(address=...)``); empty: a new
+    local Ray of ``workers`` CPUs."""
     kind: str = "train"
     """``train``: epochs of seeded permutations; ``eval``: one pass in file order, the last partial
     batch kept, planned with the cost model's forward-only cost (no epochs, seed or drop_last)."""
@@ -187,8 +201,12 @@ class PlannerConfig:
                                  "not global_batch_tokens")
             if not all(w > 0 for w in self.blend):
                 raise ValueError(f"blend weights must be positive, got {list(self.blend)}")
-        if self.workers < 1:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.workers < (0 if self.engine == "ray" else 1):
             raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.ray_address and self.engine != "ray":
+            raise ValueError("ray_address needs engine ray")
         if self.effort not in EFFORTS:
             raise ValueError(f"effort must be one of {', '.join(EFFORTS)}, got {self.effort!r}")
         sizes = check_cp_sizes(n, self.cp_sizes) if self.cp_sizes else valid_cp_sizes(n)

@@ -5,10 +5,10 @@ and cost model give the same arrays and (through io.write_plan) a byte-identical
 
 Flow per epoch: ``draw_global_batches`` (eligible samples in permutation order) -> each batch's
 samples become segments (one per sample; several for a sample the ``split`` policy cuts) ->
-``greedy.assign_step`` per step (``parallel.plan_steps``: in ``workers`` processes, same result)
--> the step's rows. A step may reorder its own samples, never another's. An eval plan
-(``config.kind == "eval"``) is one pass in file order (``eval_global_batches``), planned with
-the cost model's forward-only cost (``CostModel.forward_only``).
+``greedy.assign_step`` per step (``parallel.plan_steps``: in ``workers`` processes or as Ray
+tasks, same result) -> the step's rows. A step may reorder its own samples, never another's.
+An eval plan (``config.kind == "eval"``) is one pass in file order (``eval_global_batches``),
+planned with the cost model's forward-only cost (``CostModel.forward_only``).
 
 Long sequences: a sample fits when some allowed group size holds it after padding. Otherwise the
 policy decides: ``error`` raises naming the sample; ``split`` cuts it into segments of
@@ -48,7 +48,8 @@ from planner.solver.batches import (
     eval_global_batches,
 )
 from planner.solver.greedy import PackingParams
-from planner.solver.parallel import StepJobs, plan_steps
+from planner.solver.jobs import StepJobs
+from planner.solver.parallel import plan_steps
 from planner.sources.content import content_fingerprint
 from planner.sources.dataset import DataFile, blend_counts
 
@@ -257,7 +258,9 @@ class PlanStream:
         jobs, total = self.jobs, self.jobs.num_steps
         progress = self.progress
         report = None if progress is None else (lambda done: progress(done, total))
-        for j, out in enumerate(plan_steps(jobs, self.params, self.config.workers, report)):
+        for j, out in enumerate(plan_steps(
+                jobs, self.params, self.config.workers, report, engine=self.config.engine,
+                ray_address=self.config.ray_address)):
             self.sources[out.source] = self.sources.get(out.source, 0) + 1
             cols: dict[str, NDArray[Any]] = {
                 "step": np.full(len(out.microbatch), j, dtype=np.int32),

@@ -2,7 +2,7 @@
 # One entry point for the README's two commands.
 #   scripts/dev.sh plan   set up .venv and run dcp-plan on the bundled sample dataset
 #   scripts/dev.sh test   set up .venv and run the whole CPU test suite (slow tests included)
-#   scripts/dev.sh setup  only set up .venv (the dev and megatron extras)
+#   scripts/dev.sh setup  only set up .venv (the dev, megatron, torchtitan and ray extras)
 # Setup is idempotent: it reinstalls only when pyproject.toml changed. torch is pinned to the
 # CPU wheel these machines carry (TORCH_SPEC overrides it; an unpinned torch pulls a CUDA build).
 set -euo pipefail
@@ -23,7 +23,15 @@ setup() {
     # torchtitan's dependencies ask for torch too: an unpinned resolution could pull a CUDA build).
     local pin=.venv/.torch-constraint.txt
     echo "$TORCH_SPEC" > "$pin"
-    .venv/bin/python -m pip install -q -c "$pin" -e '.[dev,megatron,torchtitan]'
+    local torch_before
+    torch_before="$(.venv/bin/python -m pip show torch 2>/dev/null | grep '^Version:')"
+    .venv/bin/python -m pip install -q -c "$pin" -e '.[dev,megatron,torchtitan,ray]'
+    # The constraint is the guard; this makes a torch replaced anyway a failed setup, not a
+    # multi-GB surprise later.
+    if [ "$(.venv/bin/python -m pip show torch 2>/dev/null | grep '^Version:')" != "$torch_before" ]; then
+      echo "setup: installing the extras replaced torch (${torch_before:-none})" >&2
+      exit 1
+    fi
     echo "$want" > "$stamp"
   fi
 }

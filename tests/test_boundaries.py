@@ -26,6 +26,17 @@ def test_planner_does_not_import_torch() -> None:
     assert "torch" not in mods
 
 
+def test_ray_loads_only_for_the_ray_engine() -> None:
+    # Every planner module, planner.solver.ray_engine included: Ray is imported when the engine
+    # runs, never at import (a plain `dcp-plan` must not pay for it, or need it installed).
+    mods = _loaded("import importlib, pkgutil, planner\n"
+                   "for m in pkgutil.walk_packages(planner.__path__, 'planner.'):\n"
+                   "    if not m.name.endswith('__main__'):\n"
+                   "        importlib.import_module(m.name)")
+    assert "planner.solver.ray_engine" in mods
+    assert "ray" not in mods
+
+
 def test_runtime_does_not_import_ortools() -> None:
     # Every runtime module but the framework adapters (each imports its own framework), the
     # Transformer Engine module and the ``__main__`` entry points (they run the command).
@@ -39,7 +50,7 @@ def test_runtime_does_not_import_ortools() -> None:
 
 
 def test_third_party_imports_stay_in_one_module_each() -> None:
-    ortools, te, titan = [], [], []
+    ortools, te, titan, ray = [], [], [], []
     for path in sorted((ROOT / "planner").rglob("*.py")) + sorted((ROOT / "runtime").rglob("*.py")):
         text = path.read_text()
         name = path.relative_to(ROOT).as_posix()
@@ -49,6 +60,9 @@ def test_third_party_imports_stay_in_one_module_each() -> None:
             te.append(name)
         if re.search(r"^\s*(from|import) torchtitan", text, re.M):
             titan.append(name)
+        if re.search(r"^\s*(from|import) ray\b", text, re.M):
+            ray.append(name)
     assert ortools in ([], ["planner/solver/cpsat.py"])
     assert te in ([], ["runtime/attention/te.py"])
     assert titan in ([], ["runtime/adapters/torchtitan/titan.py"])
+    assert ray == ["planner/solver/ray_engine.py"]
