@@ -29,6 +29,9 @@ from planner.planfile.io import write_plan
 from planner.planfile.schema import arrow_schema, step_batch
 from tests.planner.planfile import handmade
 signal.signal(signal.SIGTERM, cliguard.terminate)
+# A shell's background job inherits SIGINT ignored, and Python then installs no handler: the
+# test's SIGINT would be lost (seen once as a 30 s timeout). Ask for Python's own handler.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 h = handmade.header()
 schema = arrow_schema(h)
 def steps():
