@@ -8,7 +8,11 @@ by git; carry it, about 15 MB): ``dataset.arrow``, ``dynamic.arrow`` (CP sizes 1
 ``static.arrow`` (CP 2 only), ``single.arrow`` (a pool of one GPU, the same global batches) and
 ``wheels/``: torchtitan 0.3.0 and the packages it imports that the GPU image lacks (spmd_types,
 torchdata, torch_checkpointing, tyro, docstring_parser, typeguard, datasets, dill, multiprocess;
-2.6 MB, pure Python, installed there with ``--no-deps --no-index``).
+2.6 MB, pure Python, installed there with ``--no-deps --no-index``). torchtitan 0.3.0 runs on
+the GPU machines' torch 2.11 through ``runtime.adapters.torchtitan.compat`` (the torch names it
+lacks); ``run`` writes the versions and those shims to ``environment.json``.
+``scripts/check_torchtitan_torch211.sh`` checks all of it on CPU under torch 2.11, installing
+these wheels the way ``run`` does.
 
 ``run --gpus 1`` (1-GPU machine): ``dcp-train --framework torchtitan --device cuda --attention
 torch --dtype bf16`` on ``single.arrow`` (torch's fused varlen kernel, FSDP of one rank), then the
@@ -80,7 +84,7 @@ def prepare(args: argparse.Namespace) -> int:
     if rc or args.no_wheels:
         return rc
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-           "--python-version", "3.12", "--platform", "manylinux2014_x86_64",
+           "--python-version", args.wheel_python, "--platform", "manylinux2014_x86_64",
            "-d", str(out / "wheels"), *WHEELS]
     return subprocess.run(cmd).returncode
 
@@ -94,6 +98,22 @@ def _ensure_torchtitan(src: Path) -> None:
                          "prepare on the CPU machine and carry its directory")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
                     *wheels], check=True)
+
+
+def _record_environment(out: Path) -> None:
+    """torch and torchtitan versions, and the torch shims torchtitan needs there
+    (``runtime.adapters.torchtitan.compat``), into ``environment.json``."""
+    from importlib.metadata import version
+
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from runtime.adapters.torchtitan import compat
+
+    env = {"torch": torch.__version__, "torchtitan": version("torchtitan"),
+           "cuda_devices": torch.cuda.device_count(), "torch_shims": compat.install()}
+    (out / "environment.json").write_text(json.dumps(env, indent=1))
+    print(json.dumps(env), flush=True)
 
 
 def _te_importable() -> bool:
@@ -227,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or os.environ.get("OUT", "out/torchtitan_gpu_logs"))
     out.mkdir(parents=True, exist_ok=True)
     _ensure_torchtitan(src)
+    _record_environment(out)
     return run_parity(src, out, args) if args.gpus == 1 else run_compare(src, out, args)
 
 
@@ -244,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("--global-batch-tokens", type=int, default=131072, help="tokens per step")
     pp.add_argument("--seed", type=int, default=0, help="workload and plan seed")
     pp.add_argument("--no-wheels", action="store_true", help="skip downloading the wheels")
+    pp.add_argument("--wheel-python", default="3.12",
+                    help="Python version the wheels are for (the GPU machines': 3.12)")
     pr = sub.add_parser("run", help="parity (--gpus 1) or dynamic vs static (--gpus 2)")
     pr.add_argument("--dir", default=str(DEFAULT_DIR), help="what prepare wrote")
     pr.add_argument("--out", default="", help="log directory (default $OUT)")

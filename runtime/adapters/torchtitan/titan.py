@@ -3,7 +3,8 @@
 The rest of ``runtime.adapters.torchtitan`` takes torchtitan's classes from here, so an upgrade
 touches one file: the names below, and the workarounds, each a function with the upstream file
 it works around and why. None of them changes numerics; all are about CUDA-only assumptions on a
-CPU host (CI) and gloo's missing reduce op.
+CPU host (CI) and gloo's missing reduce op. The torch names torchtitan 0.3.0 needs from a torch
+newer than the GPU machines' 2.11 are supplied by ``compat`` (only where missing), first.
 
 Import order matters for the first one: torchtitan decides its device type once, when
 ``torchtitan/tools/utils.py`` is first imported, so it is imported here under the CPU fallback
@@ -20,6 +21,8 @@ from typing import Any
 
 import torch
 import torch._utils
+
+from runtime.adapters.torchtitan import compat
 
 TORCHTITAN_VERSION = "0.3.0"
 
@@ -45,6 +48,7 @@ def _import_with_cpu_device_type() -> None:
 # imports inductor, which imports ``torch/utils/mkldnn.py``, whose ``torch.jit.script_method``
 # raises a DeprecationWarning: an error under pytest's warnings-as-errors. Nothing here uses
 # FlexAttention; the warning is about torch's own code, so it is ignored for the import only.
+compat.install()  # the torch names torchtitan imports that an older torch (2.11) lacks
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     _import_with_cpu_device_type()
