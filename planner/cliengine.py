@@ -15,7 +15,7 @@ from planner.config import ENGINES
 
 
 def add_engine_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--workers", type=positive_int, default=None,
+    group.add_argument("--workers", type=positive_int, default=None, metavar="N",
                        help="processes that plan steps in parallel (default 1), or with "
                        "--engine ray CPU slots (default: every CPU of the Ray cluster); the "
                        "plan is the same for any N")
