@@ -29,8 +29,9 @@ weights); median step time and tokens/s after ``--warmup`` steps, speed-ups over
 Commands::
 
     .venv/bin/python bench/torchtitan_gpu.py prepare
-    # GPU machine, carry ["out/torchtitan_gpu"]; one call each:
-    python3 bench/torchtitan_gpu.py run --gpus 1 --out $OUT
+    # GPU machine, carry ["out/torchtitan_gpu"]; one call each (the fp32 CPU oracle there takes
+    # ~25 s a step: 6 steps keep a --gpus 1 call near 5 minutes):
+    python3 bench/torchtitan_gpu.py run --gpus 1 --steps 6 --timeout 270 --out $OUT
     python3 bench/torchtitan_gpu.py run --gpus 2 --out $OUT
     # the orchestration on this CPU machine (gloo, tiny model, reference attention; ~3 min):
     .venv/bin/python bench/torchtitan_gpu.py prepare --dir /tmp/ttg --samples 60 \
@@ -247,6 +248,12 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or os.environ.get("OUT", "out/torchtitan_gpu_logs"))
     out.mkdir(parents=True, exist_ok=True)
     _ensure_torchtitan(src)
+    probe = subprocess.run([sys.executable, "-c", "import runtime.adapters.torchtitan.launch"],
+                           cwd=ROOT, capture_output=True, text=True)
+    if probe.returncode:  # say why here, before minutes of runs that would all fail the same way
+        print("runtime.adapters.torchtitan does not import:\n"
+              + "\n".join((probe.stdout + probe.stderr).splitlines()[-30:]), flush=True)
+        return 1
     _record_environment(out)
     return run_parity(src, out, args) if args.gpus == 1 else run_compare(src, out, args)
 
