@@ -38,10 +38,19 @@ from runtime.train.oracle import sequences_of_step
 
 
 def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int) -> torch.Tensor:
-    """Full causal attention over one whole sequence: [T, H, D] x [T, G, D] -> [T, H, D]."""
+    """Full causal attention over one whole sequence: [T, H, D] x [T, G, D] -> [T, H, D].
+
+    Key/value heads are expanded (query head h reads group h // (H / G)) rather than passed
+    with ``enable_gqa``: torch 2.11's CPU SDPA takes its O(T^2)-memory math path for GQA, and
+    the oracle of a 16K-token document then ran out of the GPU host's 128 GB (killed, rc -9).
+    """
     del layer_index
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         is_causal=True, enable_gqa=True)
+                                         is_causal=True)
     return out.transpose(0, 1)
 
 
