@@ -204,7 +204,12 @@ def expand_kv(k: Tensor, num_heads: int) -> Tensor:
 
 
 def sequence_attention(q: Tensor, k: Tensor, v: Tensor, layer_index: int) -> Tensor:
-    """Full causal attention over one whole sequence (the reference; ``layer_index`` unused)."""
+    """Full causal attention over one whole sequence (the reference; ``layer_index`` unused).
+
+    The batch dimension matters: CPU SDPA takes its fused kernel (memory linear in T) only for
+    4-D ``[B, H, T, D]`` inputs; 3-D ones go to the math path, which holds T x T scores per
+    head (the torchtitan oracle did that and needed over 120 GB for a 16K-token document).
+    """
     del layer_index
     h = q.shape[1]
     out = F.scaled_dot_product_attention(

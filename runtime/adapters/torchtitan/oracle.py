@@ -33,25 +33,8 @@ from runtime.train.common import (
     should_evaluate,
 )
 from runtime.train.guards import nonfinite_ok
-from runtime.train.model import GPTConfig
+from runtime.train.model import GPTConfig, sequence_attention
 from runtime.train.oracle import sequences_of_step
-
-
-def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int) -> torch.Tensor:
-    """Full causal attention over one whole sequence: [T, H, D] x [T, G, D] -> [T, H, D].
-
-    Key/value heads are expanded (query head h reads group h // (H / G)) rather than passed
-    with ``enable_gqa``: torch 2.11's CPU SDPA takes its O(T^2)-memory math path for GQA, and
-    the oracle of a 16K-token document then ran out of the GPU host's 128 GB (killed, rc -9).
-    """
-    del layer_index
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         is_causal=True)
-    return out.transpose(0, 1)
 
 
 def _evaluate(model: torch.nn.Module, reader: PlanReader, source: TokenSource, cfg: TrainConfig,
@@ -82,7 +65,7 @@ def _forward(model: torch.nn.Module, seq: torch.Tensor, cfg: TrainConfig) -> tor
     positions = torch.arange(len(seq), device=seq.device)[None]
     with torch.autocast(seq.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16"):
         out: torch.Tensor = model(seq[None], positions=positions,
-                                  attention_masks=PlanMasks(_causal))
+                                  attention_masks=PlanMasks(sequence_attention))
     return out
 
 
