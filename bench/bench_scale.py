@@ -16,6 +16,7 @@ explicit SIZE:POOL:EFFORT triples instead of the full grid.
 from __future__ import annotations
 
 import argparse
+import gzip
 import os
 import subprocess
 import sys
@@ -29,7 +30,9 @@ from planner.planfile.io import PlanFile
 def _dataset(lengths: Path, millions: float, workdir: Path) -> Path:
     out = workdir / f"lengths_{millions:g}M.txt"
     if not out.exists():
-        lines = lengths.read_text().split()
+        text = (gzip.decompress(lengths.read_bytes()).decode() if lengths.suffix == ".gz"
+                else lengths.read_text())
+        lines = text.split()
         want = int(millions * 1_000_000)
         with open(out, "w") as f:
             done = 0
@@ -58,7 +61,8 @@ def _run(data: Path, pool: int, effort: str, out: Path) -> tuple[float, float, i
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", type=Path, required=True, help="one length per line")
+    ap.add_argument("--lengths", type=Path, required=True,
+                    help="one length per line (.txt, or .txt.gz)")
     ap.add_argument("--sizes", default="1,4,20", help="dataset sizes, millions of sequences")
     ap.add_argument("--pools", default="16,64,256,1024", help="pool sizes N")
     ap.add_argument("--efforts", default="balanced,fast", help="solver efforts")
