@@ -33,7 +33,7 @@ DELTAS = {"balanced": (0.01, 0.03, 0.06, 0.1, 0.16, 0.25),
 # Larger microbatch counts tried: M + multiple x 2^j for j below this. Whether that search is
 # repeated with refinement (more targets at every M tried) is REFINE_EXTRA_MICROBATCHES.
 # Balanced went from 4 to 2 and stopped repeating the search refined (issue 14): on the 1M
-# Wikipedia lengths at pools 16-1024 that cut its kernel work 1.2-2.5x for at most +0.034% of
+# Wikipedia lengths at pools 16-1024 that cut its kernel work 1.02-2.5x for at most +0.034% of
 # simulated time (N = 32, 64), none at N = 256 and -0.06% at 1024 (a different M won); on
 # bench/quality.py's workloads (pools 8-64) every T/LB stayed equal to 3 decimals but one
 # (1.029 -> 1.030).
