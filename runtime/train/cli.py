@@ -19,13 +19,11 @@ eval_microbatches, seconds (``runtime.train.evaluate``).
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
 from planner.cliargs import (
     HelpFormatter,
@@ -38,7 +36,7 @@ from planner.cliargs import (
 from planner.sources.dataset import parse_data_path
 from runtime.adapters import FRAMEWORKS, load_launcher
 from runtime.train.backends import ATTENTIONS
-from runtime.train.common import DTYPES, TrainConfig, init_process_group
+from runtime.train.common import DTYPES, TrainConfig, process_group, require_one_process
 from runtime.train.guards import Terminated, describe_dist_error, raise_terminated
 from runtime.train.model import (
     MODEL_FLAGS,
@@ -186,20 +184,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  "evaluate with --framework native")
             return launch(cfg, model_config, reference=reference)
         if reference:
-            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-                raise ValueError("--reference runs in one process; launch it without torchrun")
+            require_one_process()
             train_reference(cfg, model_config)
             return 0
-        created = init_process_group(cfg.device, cfg.distributed_timeout_minutes)
-        try:
+        with process_group(cfg):
             trainer = Trainer(cfg, model_config)
             try:
                 trainer.run()
             finally:
                 trainer.close()
-        finally:
-            if created:
-                dist.destroy_process_group()
     except (ValueError, OSError) as e:
         print(f"dcp-train: error: {flag_message(str(e), TRAIN_FLAGS)}", file=sys.stderr)
         return 2

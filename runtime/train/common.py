@@ -11,7 +11,8 @@ import hashlib
 import json
 import os
 import sys
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -332,3 +333,21 @@ def init_process_group(device: str, timeout_minutes: float = 10.0) -> bool:
         store = dist.HashStore()  # type: ignore[attr-defined]
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
     return True
+
+
+@contextmanager
+def process_group(cfg: TrainConfig) -> Iterator[None]:
+    """The run's process group (``init_process_group`` with its device and timeout), destroyed
+    on the way out if this call created it: every framework's launcher runs inside one."""
+    created = init_process_group(cfg.device, cfg.distributed_timeout_minutes)
+    try:
+        yield
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def require_one_process() -> None:
+    """Refuse a ``--reference`` run launched under torchrun (the oracle is one process)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("--reference runs in one process; launch it without torchrun")

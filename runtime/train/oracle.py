@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -69,10 +69,50 @@ def sequences_of_step(reader: PlanReader, source: TokenSource, step: int, vocab_
         yield tokens, labels, mask
 
 
-def evaluate_reference(model: GPT, reader: PlanReader, source: TokenSource, cfg: TrainConfig,
-                       at_step: int, device: torch.device) -> EvalLog:
-    """The oracle's evaluation: the eval plan's first ``cfg.eval_steps`` steps (0: all), every
-    segment alone, full causal attention, no gradients; loss = sum over loss tokens / count."""
+SegmentLogits = Callable[[torch.Tensor], torch.Tensor]
+"""One whole segment's token ids ``[n]`` (on the device) -> its logits ``[n, V]``: the framework's
+model, positions 0..n-1, full causal attention, under the run's autocast."""
+
+
+def segment_loss_sum(logits_of: SegmentLogits, seq: torch.Tensor, labels: torch.Tensor,
+                     mask: torch.Tensor) -> torch.Tensor:
+    """The summed token loss of one segment (fp32 cross-entropy, masked)."""
+    losses = F.cross_entropy(logits_of(seq).float(), labels, reduction="none")
+    return (losses * mask).sum()
+
+
+def reference_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, reader: PlanReader,
+                   source: TokenSource, step: int, vocab_size: int, cfg: TrainConfig,
+                   device: torch.device, logits_of: SegmentLogits) -> StepLog:
+    """One oracle step, every framework's: each segment alone, loss = sum / loss tokens of the
+    step (gradients likewise), the non-finite guard, then the optimizer."""
+    t0 = time.perf_counter()
+    optimizer.zero_grad(set_to_none=False)
+    total, count, tokens = 0.0, 0.0, 0
+    for seq, labels, mask in sequences_of_step(reader, source, step, vocab_size):
+        seq, labels, mask = seq.to(device), labels.to(device), mask.to(device)
+        loss_sum = segment_loss_sum(logits_of, seq, labels, mask)
+        loss_sum.backward()  # type: ignore[no-untyped-call]
+        total += float(loss_sum.detach())
+        count += float(mask.sum())
+        tokens += len(seq)
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.div_(max(count, 1.0))
+    skipped = not nonfinite_ok(step, total / max(count, 1.0),
+                               [p.grad for p in model.parameters() if p.grad is not None],
+                               skip=cfg.skip_nonfinite_steps)
+    if not skipped:
+        optimizer.step()
+    return StepLog(step=step, loss=total / max(count, 1.0), tokens=tokens, loss_tokens=int(count),
+                   microbatches=0, seconds=time.perf_counter() - t0, skipped=skipped)
+
+
+def reference_eval(model: torch.nn.Module, reader: PlanReader, source: TokenSource,
+                   cfg: TrainConfig, at_step: int, vocab_size: int, device: torch.device,
+                   logits_of: SegmentLogits) -> EvalLog:
+    """The oracle's evaluation, every framework's: the eval plan's first ``cfg.eval_steps``
+    steps (0: all), every segment alone, no gradients; loss = sum over loss tokens / count."""
     t0 = time.perf_counter()
     num_steps = min(cfg.eval_steps, reader.num_steps) if cfg.eval_steps else reader.num_steps
     total, count = 0.0, 0.0
@@ -81,20 +121,31 @@ def evaluate_reference(model: GPT, reader: PlanReader, source: TokenSource, cfg:
     try:
         with torch.no_grad():
             for step in range(num_steps):
-                for seq, labels, mask in sequences_of_step(reader, source, step,
-                                                            model.config.vocab_size):
+                for seq, labels, mask in sequences_of_step(reader, source, step, vocab_size):
                     seq, labels, mask = seq.to(device), labels.to(device), mask.to(device)
-                    with autocast_context(cfg, device):
-                        logits = model(seq, torch.arange(len(seq), device=device),
-                                       sequence_attention)
-                    losses = F.cross_entropy(logits.float(), labels, reduction="none")
-                    total += float((losses * mask).sum())
+                    total += float(segment_loss_sum(logits_of, seq, labels, mask))
                     count += float(mask.sum())
     finally:
         model.train(was_training)
     return EvalLog(eval_at_step=at_step, eval_loss=total / max(count, 1.0),
                    eval_tokens=int(count), eval_microbatches=0,
                    seconds=time.perf_counter() - t0)
+
+
+def _native_logits(model: GPT, cfg: TrainConfig, device: torch.device) -> SegmentLogits:
+    def logits_of(seq: torch.Tensor) -> torch.Tensor:
+        with autocast_context(cfg, device):
+            out: torch.Tensor = model(seq, torch.arange(len(seq), device=device),
+                                      sequence_attention)
+        return out
+    return logits_of
+
+
+def evaluate_reference(model: GPT, reader: PlanReader, source: TokenSource, cfg: TrainConfig,
+                       at_step: int, device: torch.device) -> EvalLog:
+    """The native oracle's evaluation (``reference_eval`` with the native GPT)."""
+    return reference_eval(model, reader, source, cfg, at_step, model.config.vocab_size, device,
+                          _native_logits(model, cfg, device))
 
 
 def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
@@ -122,33 +173,10 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
     try:
         steps = step_range(cfg, start, reader.num_steps)
         logger.begin(len(steps))
+        logits_of = _native_logits(model, cfg, device)
         for step in steps:
-            t0 = time.perf_counter()
-            optimizer.zero_grad(set_to_none=False)
-            total, count, tokens = 0.0, 0.0, 0
-            for seq, labels, mask in sequences_of_step(reader, source, step,
-                                                        model_config.vocab_size):
-                seq, labels, mask = seq.to(device), labels.to(device), mask.to(device)
-                with autocast_context(cfg, device):
-                    logits = model(seq, torch.arange(len(seq), device=device), sequence_attention)
-                losses = F.cross_entropy(logits.float(), labels, reduction="none")
-                loss_sum = (losses * mask).sum()
-                loss_sum.backward()  # type: ignore[no-untyped-call]
-                total += float(loss_sum.detach())
-                count += float(mask.sum())
-                tokens += len(seq)
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.div_(max(count, 1.0))
-            skipped = not nonfinite_ok(
-                step, total / max(count, 1.0),
-                [p.grad for p in model.parameters() if p.grad is not None],
-                skip=cfg.skip_nonfinite_steps)
-            if not skipped:
-                optimizer.step()
-            log = StepLog(step=step, loss=total / max(count, 1.0), tokens=tokens,
-                          loss_tokens=int(count), microbatches=0,
-                          seconds=time.perf_counter() - t0, skipped=skipped)
+            log = reference_step(model, optimizer, reader, source, step, model_config.vocab_size,
+                                 cfg, device, logits_of)
             result.logs.append(log)
             logger.write(log)
             if eval_reader is not None and eval_source is not None \

@@ -9,13 +9,9 @@ and exits 2).
 
 from __future__ import annotations
 
-import os
-
-import torch.distributed as dist
-
 from runtime.adapters.megatron.oracle import train_reference
 from runtime.adapters.megatron.train import MegatronTrainer
-from runtime.train.common import TrainConfig, init_process_group
+from runtime.train.common import TrainConfig, process_group, require_one_process
 from runtime.train.model import GPTConfig
 
 SUPPORTS_EVAL = True
@@ -24,10 +20,10 @@ SUPPORTS_EVAL = True
 
 def launch(cfg: TrainConfig, model_config: GPTConfig, *, reference: bool) -> int:
     """Run ``cfg`` through Megatron-core (``reference``: its one-process oracle); exit status."""
-    if reference and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError("--reference runs in one process; launch it without torchrun")
-    created = init_process_group(cfg.device, cfg.distributed_timeout_minutes)
-    try:
+    if reference:
+        require_one_process()
+    # Megatron's oracle builds its model on a process group of one rank, so it runs inside too.
+    with process_group(cfg):
         if reference:
             train_reference(cfg, model_config)
             return 0
@@ -36,7 +32,4 @@ def launch(cfg: TrainConfig, model_config: GPTConfig, *, reference: bool) -> int
             trainer.run()
         finally:
             trainer.close()
-    finally:
-        if created:
-            dist.destroy_process_group()
     return 0

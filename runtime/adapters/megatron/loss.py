@@ -19,7 +19,6 @@ global ``parallel_state`` and cannot run on a model built from a ``pg_collection
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from runtime.train.loss import per_token_loss
@@ -45,8 +44,3 @@ def loss_func(labels: Tensor, loss_mask: Tensor, output: Tensor
     report = torch.stack([loss_sum.detach().double(), count.double()])
     return loss_sum, num_tokens, {"lm loss": report}
 
-
-def sequence_loss(logits: Tensor, labels: Tensor, loss_mask: Tensor) -> Tensor:
-    """The oracle's summed loss of one whole sequence (logits ``[1, S, V]``)."""
-    losses = F.cross_entropy(logits[0].float(), labels, reduction="none")
-    return (losses * loss_mask).sum()

@@ -11,15 +11,11 @@ same AdamW. Segments and labels come from the native oracle's rule
 
 from __future__ import annotations
 
-import time
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
 from runtime.adapters.megatron import patches
 from runtime.adapters.megatron.groups import create_groups
-from runtime.adapters.megatron.loss import sequence_loss
 from runtime.adapters.megatron.model import (
     ModelParallel,
     build_chunks,
@@ -33,8 +29,6 @@ from runtime.data.plan_source import open_plan_source
 from runtime.dist.topology import Topology
 from runtime.train.common import (
     DTYPES,
-    EvalLog,
-    StepLog,
     StepLogger,
     TrainConfig,
     TrainResult,
@@ -43,9 +37,8 @@ from runtime.train.common import (
     should_evaluate,
     step_range,
 )
-from runtime.train.guards import nonfinite_ok
 from runtime.train.model import GPTConfig
-from runtime.train.oracle import sequences_of_step
+from runtime.train.oracle import SegmentLogits, reference_eval, reference_step
 
 
 def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
@@ -82,13 +75,16 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
         result = TrainResult()
         try:
             steps = step_range(cfg, 0, reader.num_steps)
+            logits_of = _logits(model, cfg, device)
+            vocab = model_config.vocab_size
             for step in steps:
-                result.logs.append(_step(model, optimizer, reader, source, step, model_config,
-                                         cfg, device))
+                result.logs.append(reference_step(model, optimizer, reader, source, step, vocab,
+                                                  cfg, device, logits_of))
                 logger.write(result.logs[-1])
-                if eval_reader is not None and should_evaluate(cfg, step, steps[-1]):
-                    result.evals.append(_evaluate(model, eval_reader, eval_source, cfg,
-                                                  step + 1, device, model_config.vocab_size))
+                if eval_reader is not None and eval_source is not None \
+                        and should_evaluate(cfg, step, steps[-1]):
+                    result.evals.append(reference_eval(model, eval_reader, eval_source, cfg,
+                                                       step + 1, vocab, device, logits_of))
                     logger.write(result.evals[-1])
         finally:
             logger.close()
@@ -108,61 +104,16 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
             close()
 
 
-def _evaluate(model: torch.nn.Module, reader: PlanReader, source: Any, cfg: TrainConfig,
-              at_step: int, device: torch.device, vocab_size: int) -> EvalLog:
-    """The oracle's evaluation: the eval plan's first ``eval_steps`` steps, every segment alone,
-    no gradients; loss = sum over loss tokens / count."""
-    t0 = time.perf_counter()
-    num_steps = min(cfg.eval_steps, reader.num_steps) if cfg.eval_steps else reader.num_steps
-    total, count = 0.0, 0.0
+def _logits(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> SegmentLogits:
+    """Megatron's GPTModel on one whole segment as a ``[1, L]`` batch: logits ``[L, V]``."""
     dtype = DTYPES[cfg.dtype]
-    model.train(False)
-    try:
-        with torch.no_grad():
-            for step in range(num_steps):
-                for seq, labels, mask in sequences_of_step(reader, source, step, vocab_size):
-                    seq, labels, mask = seq.to(device), labels.to(device), mask.to(device)
-                    positions = torch.arange(len(seq), device=device)[None]
-                    with torch.autocast(device.type, dtype=dtype,
-                                        enabled=dtype != torch.float32):
-                        logits = model(seq[None], positions, None)
-                    total += float(sequence_loss(logits, labels, mask))
-                    count += float(mask.sum())
-    finally:
-        model.train(True)
-    return EvalLog(eval_at_step=at_step, eval_loss=total / max(count, 1.0),
-                   eval_tokens=int(count), eval_microbatches=0,
-                   seconds=time.perf_counter() - t0)
 
-
-def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, reader: PlanReader,
-          source: object, step: int, model_config: GPTConfig, cfg: TrainConfig,
-          device: torch.device) -> StepLog:
-    t0 = time.perf_counter()
-    optimizer.zero_grad(set_to_none=False)
-    total, count, tokens = 0.0, 0.0, 0
-    dtype = DTYPES[cfg.dtype]
-    for seq, labels, mask in sequences_of_step(reader, source, step,  # type: ignore[arg-type]
-                                               model_config.vocab_size):
-        seq, labels, mask = seq.to(device), labels.to(device), mask.to(device)
+    def logits_of(seq: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(len(seq), device=device)[None]
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            logits = model(seq[None], positions, None)
-        loss_sum = sequence_loss(logits, labels, mask)
-        loss_sum.backward()  # type: ignore[no-untyped-call]
-        total += float(loss_sum.detach())
-        count += float(mask.sum())
-        tokens += len(seq)
-    for p in model.parameters():
-        if p.grad is not None:
-            p.grad.div_(max(count, 1.0))
-    skipped = not nonfinite_ok(step, total / max(count, 1.0),
-                               [p.grad for p in model.parameters() if p.grad is not None],
-                               skip=cfg.skip_nonfinite_steps)
-    if not skipped:
-        optimizer.step()
-    return StepLog(step=step, loss=total / max(count, 1.0), tokens=tokens, loss_tokens=int(count),
-                   microbatches=0, seconds=time.perf_counter() - t0, skipped=skipped)
+            out: torch.Tensor = model(seq[None], positions, None)
+        return out[0]
+    return logits_of
 
 
 __all__ = ["train_reference"]

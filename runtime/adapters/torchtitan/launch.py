@@ -7,15 +7,11 @@ uses it. ``--reference`` runs ``oracle.train_reference`` in this one process ins
 
 from __future__ import annotations
 
-import os
-
-import torch.distributed as dist
-
 from runtime.adapters.torchtitan.config import trainer_config
 from runtime.adapters.torchtitan.oracle import train_reference
 from runtime.adapters.torchtitan.titan import DEVICE_TYPE
 from runtime.adapters.torchtitan.trainer import PlanTrainer
-from runtime.train.common import TrainConfig, init_process_group
+from runtime.train.common import TrainConfig, process_group, require_one_process
 from runtime.train.model import GPTConfig
 
 SUPPORTS_EVAL = True
@@ -33,18 +29,13 @@ def build_trainer(cfg: TrainConfig, model_config: GPTConfig) -> PlanTrainer:
 def launch(cfg: TrainConfig, model_config: GPTConfig, *, reference: bool) -> int:
     """Train ``cfg.plan`` through torchtitan (or run its oracle); returns the exit status."""
     if reference:
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ValueError("--reference runs in one process; launch it without torchrun")
+        require_one_process()
         train_reference(cfg, model_config)
         return 0
-    created = init_process_group(cfg.device, cfg.distributed_timeout_minutes)
-    try:
+    with process_group(cfg):
         trainer = build_trainer(cfg, model_config)
         try:
             trainer.train()
         finally:
             trainer.close()
-    finally:
-        if created:
-            dist.destroy_process_group()
     return 0

@@ -11,10 +11,7 @@ sample continues past it.
 
 from __future__ import annotations
 
-import time
-
 import torch
-import torch.nn.functional as F
 
 from runtime.adapters.torchtitan.attention import PlanMasks
 from runtime.adapters.torchtitan.config import ADAMW_BETAS, ADAMW_EPS, max_seq_len
@@ -24,49 +21,25 @@ from runtime.data.plan_reader import PlanReader
 from runtime.data.plan_source import open_plan_source
 from runtime.data.tokens import TokenSource
 from runtime.train.common import (
-    EvalLog,
-    StepLog,
     StepLogger,
     TrainConfig,
     TrainResult,
     resolve_device,
     should_evaluate,
 )
-from runtime.train.guards import nonfinite_ok
 from runtime.train.model import GPTConfig, sequence_attention
-from runtime.train.oracle import sequences_of_step
+from runtime.train.oracle import SegmentLogits, reference_eval, reference_step
 
 
-def _evaluate(model: torch.nn.Module, reader: PlanReader, source: TokenSource, cfg: TrainConfig,
-              at_step: int, vocab_size: int, device: torch.device) -> EvalLog:
-    """The eval plan's first ``cfg.eval_steps`` steps (0: all), every segment alone, no grad."""
-    t0 = time.perf_counter()
-    num_steps = min(cfg.eval_steps, reader.num_steps) if cfg.eval_steps else reader.num_steps
-    total, count = 0.0, 0.0
-    model.train(False)
-    try:
-        with torch.no_grad():
-            for step in range(num_steps):
-                for seq, labels, mask in sequences_of_step(reader, source, step, vocab_size):
-                    logits = _forward(model, seq.to(device), cfg)
-                    losses = F.cross_entropy(logits[0].float(), labels.to(device),
-                                             reduction="none")
-                    total += float((losses * mask.to(device)).sum())
-                    count += float(mask.sum())
-    finally:
-        model.train(True)
-    return EvalLog(eval_at_step=at_step, eval_loss=total / max(count, 1.0),
-                   eval_tokens=int(count), eval_microbatches=0,
-                   seconds=time.perf_counter() - t0)
-
-
-def _forward(model: torch.nn.Module, seq: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
-    """Logits [1, n, V] of one whole sequence at positions 0..n-1."""
-    positions = torch.arange(len(seq), device=seq.device)[None]
-    with torch.autocast(seq.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16"):
-        out: torch.Tensor = model(seq[None], positions=positions,
-                                  attention_masks=PlanMasks(sequence_attention))
-    return out
+def _logits(model: torch.nn.Module, cfg: TrainConfig) -> SegmentLogits:
+    """torchtitan's llama3 on one whole segment (positions 0..n-1): logits ``[n, V]``."""
+    def logits_of(seq: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(len(seq), device=seq.device)[None]
+        with torch.autocast(seq.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16"):
+            out: torch.Tensor = model(seq[None], positions=positions,
+                                      attention_masks=PlanMasks(sequence_attention))
+        return out[0]
+    return logits_of
 
 
 def train_reference(cfg: TrainConfig, model_config: GPTConfig) -> TrainResult:
@@ -93,36 +66,15 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig) -> TrainResult:
     result = TrainResult()
     stop = min(cfg.steps, reader.num_steps) if cfg.steps else reader.num_steps
     try:
+        logits_of = _logits(model, cfg)
+        vocab = model_config.vocab_size
         for step in range(stop):
-            t0 = time.perf_counter()
-            optimizer.zero_grad(set_to_none=False)
-            total, count, tokens = 0.0, 0.0, 0
-            segments = sequences_of_step(reader, source, step, model_config.vocab_size)
-            for seq, labels, mask in segments:
-                seq, labels, mask = seq.to(device), labels.to(device), mask.to(device)
-                logits = _forward(model, seq, cfg)
-                losses = F.cross_entropy(logits[0].float(), labels, reduction="none")
-                loss_sum = (losses * mask).sum()
-                loss_sum.backward()  # type: ignore[no-untyped-call]
-                total += float(loss_sum.detach())
-                count += float(mask.sum())
-                tokens += len(seq)
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.div_(max(count, 1.0))
-            skipped = not nonfinite_ok(step, total / max(count, 1.0),
-                                       [p.grad for p in model.parameters() if p.grad is not None],
-                                       skip=cfg.skip_nonfinite_steps)
-            if not skipped:
-                optimizer.step()
-            log = StepLog(step=step, loss=total / max(count, 1.0), tokens=tokens,
-                          loss_tokens=int(count), microbatches=0,
-                          seconds=time.perf_counter() - t0, skipped=skipped)
+            log = reference_step(model, optimizer, reader, source, step, vocab, cfg, device,
+                                 logits_of)
             result.logs.append(log)
             logger.write(log)
             if evaluation is not None and should_evaluate(cfg, step, stop - 1):
-                ev = _evaluate(model, *evaluation, cfg, step + 1, model_config.vocab_size,
-                               device)
+                ev = reference_eval(model, *evaluation, cfg, step + 1, vocab, device, logits_of)
                 result.evals.append(ev)
                 logger.write(ev)
     finally:
