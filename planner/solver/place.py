@@ -88,11 +88,13 @@ def _add(lv: int, b: int, dload: float, dcount: int, sizes: NDArray[np.int64],
 @numba.njit(cache=True)
 def _refresh(lv: int, b: int, sizes: NDArray[np.int64], offset: NDArray[np.int64],
              bload: NDArray[np.float64], bcount: NDArray[np.int64], blk_room: NDArray[np.int64],
-             num_mb: int, width: NDArray[np.int64], base: NDArray[np.int64],
-             t_load: NDArray[np.float64], t_open: NDArray[np.float64],
+             num_mb: int, tree: NDArray[np.bool_], width: NDArray[np.int64],
+             base: NDArray[np.int64], t_load: NDArray[np.float64], t_open: NDArray[np.float64],
              t_room: NDArray[np.int64]) -> None:
-    """Mirror into the search trees every block that ``_add(lv, b, ...)`` changed."""
+    """Mirror into the search trees (levels with ``tree``) every block ``_add(lv, b)`` changed."""
     for sub in range(lv + 1):
+        if not tree[sub]:
+            continue
         r = sizes[lv] // sizes[sub]
         for j in range(b * r, (b + 1) * r):
             bb = offset[sub] + j
@@ -102,11 +104,13 @@ def _refresh(lv: int, b: int, sizes: NDArray[np.int64], offset: NDArray[np.int64
     child = b
     for up in range(lv + 1, len(sizes)):
         parent = child // (sizes[up] // sizes[up - 1])
+        child = parent
+        if not tree[up]:
+            continue
         bb = offset[up] + parent
         set_leaf(up, parent, bload[bb], bcount[bb] < num_mb, blk_room[bb], width, base, t_load,
                  t_open, t_room)
         fix_up(up, parent, parent, width, base, t_load, t_open, t_room)
-        child = parent
 
 
 @numba.njit(cache=True)
@@ -135,8 +139,13 @@ def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.f
     blk_room = np.full(total_blocks, -1, dtype=np.int64)
     g_fill = np.zeros(n, dtype=np.int64)
     num_groups = 0
-    # Balance mode asks the search trees (blocktree.py) instead of scanning every block.
-    use_tree = mode == BALANCE and num_blocks[0] >= TREE_MIN_BLOCKS
+    # Balance mode asks the search trees (blocktree.py) instead of scanning every block, at the
+    # levels with enough blocks for a tree to pay (the others are searched rarely: a tree's
+    # upkeep on every placement would cost more than their scans).
+    tree = np.zeros(num_levels, dtype=np.bool_)
+    for lv in range(num_levels):
+        tree[lv] = mode == BALANCE and num_blocks[lv] >= TREE_MIN_BLOCKS and lv == 0
+    use_tree = tree[0]
     width, tbase = tree_layout(num_blocks)
     t_load = np.full(tbase[-1], np.inf, dtype=np.float64)
     t_open = np.full(tbase[-1], np.inf, dtype=np.float64)
@@ -145,6 +154,8 @@ def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.f
     stack_bound = np.empty(66, dtype=np.float64)
     if use_tree:
         for lv in range(num_levels):
+            if not tree[lv]:
+                continue
             for b in range(num_blocks[lv]):
                 set_leaf(lv, b, base, num_mb > 0, -1, width, tbase, t_load, t_open, t_room)
             fix_up(lv, 0, num_blocks[lv] - 1, width, tbase, t_load, t_open, t_room)
@@ -183,10 +194,10 @@ def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.f
                 fit_end = np.inf
                 fit_b = -1
                 fit_room = 0
-                if use_tree:
+                if tree[lv]:
                     best_b, best_end = best_block(lv, p, t, open_cost, width, tbase, t_load,
                                                   t_open, t_room, stack, stack_bound)
-                for b in range(0 if use_tree else num_blocks[lv]):
+                for b in range(0 if tree[lv] else num_blocks[lv]):
                     bb = offset[lv] + b
                     if blk_room[bb] >= p:
                         end = bload[bb] + t
@@ -257,8 +268,8 @@ def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.f
             room = max(room, room_cap - g_fill[blk_g[bb, q]])
         blk_room[bb] = room
         if use_tree:
-            _refresh(lv_pick, b_pick, sizes, offset, bload, bcount, blk_room, num_mb, width,
-                     tbase, t_load, t_open, t_room)
+            _refresh(lv_pick, b_pick, sizes, offset, bload, bcount, blk_room, num_mb, tree,
+                     width, tbase, t_load, t_open, t_room)
         limit = max(limit, bload[bb])
         item_level[i] = lv_pick
         item_group[i] = g_pick
@@ -291,38 +302,60 @@ def spread(padded: NDArray[np.int64], order: NDArray[np.int64], item_level: NDAr
         for lv in range(1, len(sizes)):
             b = b // (sizes[lv] // sizes[lv - 1])
             count[u] += blk_ng[offset[lv] + b]
+    # Each unit's k0 groups (ascending) and k0 segments (in placement order), bucketed once:
+    # the pass below then costs O(segments + groups), not O(units x segments).
     n = len(order)
-    unit_items = np.zeros(num_blocks[0], dtype=np.int64)
+    units = num_blocks[0]
+    g_start = np.zeros(units + 1, dtype=np.int64)
+    for g in range(num_groups):
+        if g_level[g] == 0:
+            g_start[g_block[g] + 1] += 1
+    i_start = np.zeros(units + 1, dtype=np.int64)
     for i in range(n):
         if item_level[i] == 0:
-            unit_items[g_block[item_group[i]]] += 1
+            i_start[g_block[item_group[i]] + 1] += 1
+    for u in range(units):
+        g_start[u + 1] += g_start[u]
+        i_start[u + 1] += i_start[u]
+    unit_groups = np.empty(g_start[units], dtype=np.int64)
+    unit_order = np.empty(i_start[units], dtype=np.int64)
+    g_next = g_start[:units].copy()
+    i_next = i_start[:units].copy()
+    for g in range(num_groups):
+        if g_level[g] == 0:
+            u = g_block[g]
+            unit_groups[g_next[u]] = g
+            g_next[u] += 1
+    for j in range(n):
+        i = order[j]
+        if item_level[i] == 0:
+            u = g_block[item_group[i]]
+            unit_order[i_next[u]] = i
+            i_next[u] += 1
     room = sizes[0] * capacity
     bins = np.empty(num_mb, dtype=np.int64)
     fill = np.empty(num_mb, dtype=np.int64)
     new_group = np.empty(n, dtype=np.int64)
-    for u in range(num_blocks[0]):
+    for u in range(units):
         own = blk_ng[u]
-        extra = min(num_mb - count[u], unit_items[u] - own)
+        extra = min(num_mb - count[u], i_start[u + 1] - i_start[u] - own)
         if own == 0 or extra <= 0:
             continue
         num_bins = 0
-        for g in range(num_groups):
-            if g_level[g] == 0 and g_block[g] == u:
-                bins[num_bins] = g
-                num_bins += 1
+        for q in range(g_start[u], g_start[u + 1]):
+            bins[num_bins] = unit_groups[q]
+            num_bins += 1
         for q in range(extra):
             bins[num_bins + q] = num_groups + q
         num_bins += extra
         fill[:num_bins] = 0
         ok = True
-        for j in range(n):
-            i = order[j]
-            if item_level[i] != 0 or g_block[item_group[i]] != u:
-                continue
+        for q in range(i_start[u], i_start[u + 1]):
+            i = unit_order[q]
             best = -1
-            for q in range(num_bins):
-                if fill[q] + padded[i, 0] <= room and (best < 0 or fill[q] < fill[best]):
-                    best = q
+            for r in range(num_bins):
+                if fill[r] + padded[i, 0] <= room and (best < 0 or fill[r] < fill[best]):
+                    best = r
             if best < 0:
                 ok = False
                 break
@@ -330,10 +363,9 @@ def spread(padded: NDArray[np.int64], order: NDArray[np.int64], item_level: NDAr
             new_group[i] = bins[best]
         if not ok:
             continue
-        for j in range(n):
-            i = order[j]
-            if item_level[i] == 0 and g_block[item_group[i]] == u:
-                item_group[i] = new_group[i]
+        for q in range(i_start[u], i_start[u + 1]):
+            i = unit_order[q]
+            item_group[i] = new_group[i]
         for q in range(extra):
             g_level[num_groups + q] = 0
             g_block[num_groups + q] = u
