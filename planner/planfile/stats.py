@@ -82,16 +82,20 @@ class StatsAccumulator:
         self.groups = {k: 0 for k in config.sizes}
 
     def add(self, cols: dict[str, NDArray[Any]], seg: NDArray[np.int64],
-            tight_bound: float | None = None) -> None:
-        """One step: its 8 plan columns, its segments' lengths and its tight bound."""
+            tight_bound: float | None = None, simulated: float | None = None) -> None:
+        """One step: its 8 plan columns, its segments' lengths and its tight bound.
+
+        ``simulated``: the step's ``cost.simulate_step`` when the caller has it already (the
+        solver scores its rows with it), so that it is not simulated twice.
+        """
         config, cost = self.config, self.cost
         n = config.parallel.pool_size
         cap = config.capacity_tokens_per_rank
         tp_eff = config.parallel.tp_eff
         mb = cols["microbatch"]
         self.mb.append(int(mb[-1]) + 1)
-        t = simulate_step(cost, n, mb, cols["rank_start"], cols["cp_size"],
-                          cols["padded_tokens"])
+        t = simulated if simulated is not None else simulate_step(
+            cost, n, mb, cols["rank_start"], cols["cp_size"], cols["padded_tokens"])
         self.sim += t
         if tight_bound is not None:
             self.tight += tight_bound

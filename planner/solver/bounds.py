@@ -56,11 +56,11 @@ def malleable_bound(lone: NDArray[np.float64], work: NDArray[np.float64],
     # can improve on max(floor, W(floor) / N) = upper.
     ev_t = np.empty(n * num_levels, dtype=np.float64)
     ev_dw = np.empty(n * num_levels, dtype=np.float64)
+    records = np.empty(num_levels, dtype=np.int64)
     num = 0
     for i in range(n):
         prev = cur[i]
         run_min = np.inf
-        records = np.empty(num_levels, dtype=np.int64)
         num_rec = 0
         for lv in range(cur[i]):
             if fits[i, lv] and lone[i, lv] < run_min:
@@ -112,6 +112,8 @@ def full_pool_bound(padded: NDArray[np.int64], time: NDArray[np.float64],
     """
     n, num_levels = time.shape
     top = num_levels - 1
+    if not (min_level == top).any():
+        return 0.0
     pool = sizes[top]
     k0 = sizes[0]
     full_time = 0.0

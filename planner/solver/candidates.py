@@ -17,9 +17,10 @@ Cost. A baseline is built only when it could win: first a lower bound of its sim
 valid for any rows it can produce, is compared with our simulated time, and a baseline whose
 bound is above ours is skipped (margin 1e-9 for rounding). Static CP: the average rank load,
 every sequence at size cp plus the microbatches' fixed cost, or its slowest sequence.
-Megatron: the malleable bound (bounds.py) of its 2N-padded lengths. On the Wikipedia lengths
-both are above ours on almost every step (static CP is 2-4x slower, 2N padding alone costs more
-than our gap to the bound), so the check costs O(segments) and the baselines almost never run.
+Megatron: the malleable bound (bounds.py) of its 2N-padded lengths, unless the average rank load
+at those lengths already decides (it spares the bound's tables). On the Wikipedia lengths both
+are above ours on almost every step (static CP is 2-4x slower, 2N padding alone costs more than
+our gap to the bound), so the check costs O(segments) and the baselines almost never run.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from planner.cost import _simulate
-from planner.groups import pad_multiple
+from planner.groups import MAX_SEGMENT_TOKENS, pad_multiple
 from planner.solver.bounds import malleable_bound
 from planner.solver.items import item_tables
 from planner.solver.megatron import megatron_arrays, megatron_padded
@@ -125,19 +126,32 @@ def static_rows(sample: NDArray[np.int64], offset: NDArray[np.int64],
 
 
 def megatron_bound(tokens: NDArray[np.int64], cost: NDArray[np.float64], *, pool_size: int,
-                   capacity: int, tp_eff: int, sizes: NDArray[np.int64]) -> float:
-    """A lower bound of Megatron's simulated time; inf when it cannot place a segment."""
+                   capacity: int, tp_eff: int, sizes: NDArray[np.int64],
+                   ours: float = np.inf) -> float:
+    """A lower bound of Megatron's simulated time; inf when it cannot place a segment.
+
+    The malleable bound (bounds.py) of its 2N-padded lengths, unless a cheaper bound already
+    rules Megatron out against ``ours`` (our step time): the average rank load with each
+    segment at its cheapest size (the smallest that holds it, without latency), which never
+    exceeds the malleable one. On the Wikipedia lengths it decides nearly every step (2N
+    padding alone costs more than our gap to the bound) and saves the tables, 4 ms a step at
+    N = 1024.
+    """
     P = megatron_padded(tokens, pool_size, tp_eff)
-    if not len(P) or int(P.max()) > pool_size * capacity:
+    fits = min(pool_size, int(sizes[-1])) * capacity
+    if not len(P) or int(P.max()) > min(fits, MAX_SEGMENT_TOKENS):
         return np.inf
-    mults = np.full(len(sizes), 2 * pool_size * tp_eff, dtype=np.int64)
-    try:
-        t = item_tables(P, sizes, mults, capacity, cost)
-    except ValueError:
-        return np.inf
+    fixed = cost[4] + (sizes[0] - 1) * cost[2]
     m = max(1, -(-int(P.sum()) // (pool_size * capacity)))
+    k = sizes[np.searchsorted(sizes * capacity, P)].astype(np.float64)
+    pf = P.astype(np.float64)
+    cheap = float((cost[0] * pf + cost[1] * pf * pf + (k - 1) * cost[3] * pf).sum()) / pool_size
+    if ours < (cheap + m * fixed) * (1 - MARGIN):
+        return float(cheap + m * fixed)
+    mults = np.full(len(sizes), 2 * pool_size * tp_eff, dtype=np.int64)
+    t = item_tables(P, sizes, mults, capacity, cost)
     core = malleable_bound(t.lone, t.work, t.fits, pool_size)
-    return float(core + m * (cost[4] + (sizes[0] - 1) * cost[2]))
+    return float(core + m * fixed)
 
 
 def megatron_rows(sample: NDArray[np.int64], offset: NDArray[np.int64],
@@ -188,7 +202,7 @@ def best_rows(ours: Rows, sample: NDArray[np.int64], offset: NDArray[np.int64],
                 best, name, key = rows, STATIC, k
     if megatron and multiple == 1:
         lb = megatron_bound(tokens, cost, pool_size=pool_size, capacity=capacity, tp_eff=tp_eff,
-                            sizes=sizes)
+                            sizes=sizes, ours=key[0])
         if np.isfinite(lb) and key[0] >= lb * (1 - MARGIN):
             got = megatron_rows(sample, offset, tokens, pool_size=pool_size, capacity=capacity,
                                 tp_eff=tp_eff, sizes=sizes)

@@ -70,11 +70,20 @@ def _tables(tokens: NDArray[np.int64], sizes: NDArray[np.int64], mults: NDArray[
     min_level = np.full(n, -1, dtype=np.int64)
     key = np.empty(n, dtype=np.float64)
     k0 = sizes[0]
+    # Power-of-two multiples (every one but a pad_to_multiple's) round up with a mask: an
+    # integer division per segment and level was a third of this function's time.
+    mask = np.zeros(num_levels, dtype=np.int64)
+    for lv in range(num_levels):
+        if mults[lv] & (mults[lv] - 1) == 0:
+            mask[lv] = -mults[lv]
     for i in range(n):
         for lv in range(num_levels):
             k = sizes[lv]
             m = mults[lv]
-            p = (tokens[i] + m - 1) // m * m
+            if mask[lv] != 0:
+                p = (tokens[i] + m - 1) & mask[lv]
+            else:
+                p = (tokens[i] + m - 1) // m * m
             padded[i, lv] = p
             # Plan rows are int32: a segment never pads past MAX_SEGMENT_TOKENS.
             fits[i, lv] = p <= k * capacity and p <= max_segment

@@ -86,31 +86,16 @@ def _add(lv: int, b: int, dload: float, dcount: int, sizes: NDArray[np.int64],
 
 
 @numba.njit(cache=True)
-def _refresh(lv: int, b: int, sizes: NDArray[np.int64], offset: NDArray[np.int64],
-             bload: NDArray[np.float64], bcount: NDArray[np.int64], blk_room: NDArray[np.int64],
-             num_mb: int, tree: NDArray[np.bool_], width: NDArray[np.int64],
-             base: NDArray[np.int64], t_load: NDArray[np.float64], t_open: NDArray[np.float64],
-             t_room: NDArray[np.int64]) -> None:
-    """Mirror into the search trees (levels with ``tree``) every block ``_add(lv, b)`` changed."""
-    for sub in range(lv + 1):
-        if not tree[sub]:
-            continue
-        r = sizes[lv] // sizes[sub]
-        for j in range(b * r, (b + 1) * r):
-            bb = offset[sub] + j
-            set_leaf(sub, j, bload[bb], bcount[bb] < num_mb, blk_room[bb], width, base, t_load,
-                     t_open, t_room)
-        fix_up(sub, b * r, (b + 1) * r - 1, width, base, t_load, t_open, t_room)
-    child = b
-    for up in range(lv + 1, len(sizes)):
-        parent = child // (sizes[up] // sizes[up - 1])
-        child = parent
-        if not tree[up]:
-            continue
-        bb = offset[up] + parent
-        set_leaf(up, parent, bload[bb], bcount[bb] < num_mb, blk_room[bb], width, base, t_load,
-                 t_open, t_room)
-        fix_up(up, parent, parent, width, base, t_load, t_open, t_room)
+def _refresh(lv: int, b: int, sizes: NDArray[np.int64], bload: NDArray[np.float64],
+             bcount: NDArray[np.int64], blk_room: NDArray[np.int64], num_mb: int,
+             width: NDArray[np.int64], base: NDArray[np.int64], t_load: NDArray[np.float64],
+             t_open: NDArray[np.float64], t_room: NDArray[np.int64]) -> None:
+    """Mirror into the smallest size's search tree the blocks ``_add(lv, b, ...)`` changed."""
+    r = sizes[lv] // sizes[0]
+    for j in range(b * r, (b + 1) * r):
+        set_leaf(0, j, bload[j], bcount[j] < num_mb, blk_room[j], width, base, t_load, t_open,
+                 t_room)
+    fix_up(0, b * r, (b + 1) * r - 1, width, base, t_load, t_open, t_room)
 
 
 @numba.njit(cache=True)
@@ -139,26 +124,20 @@ def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.f
     blk_room = np.full(total_blocks, -1, dtype=np.int64)
     g_fill = np.zeros(n, dtype=np.int64)
     num_groups = 0
-    # Balance mode asks the search trees (blocktree.py) instead of scanning every block, at the
-    # levels with enough blocks for a tree to pay (the others are searched rarely: a tree's
-    # upkeep on every placement would cost more than their scans).
-    tree = np.zeros(num_levels, dtype=np.bool_)
-    for lv in range(num_levels):
-        tree[lv] = mode == BALANCE and num_blocks[lv] >= TREE_MIN_BLOCKS and lv == 0
-    use_tree = tree[0]
-    width, tbase = tree_layout(num_blocks)
+    # Balance mode asks a search tree (blocktree.py) instead of scanning every block at the
+    # smallest size, which nearly every segment searches. Larger sizes are searched rarely
+    # (0.6% of searches at N = 1024): a tree's upkeep on every placement costs more there.
+    use_tree = mode == BALANCE and num_blocks[0] >= TREE_MIN_BLOCKS
+    width, tbase = tree_layout(num_blocks[:1])
     t_load = np.full(tbase[-1], np.inf, dtype=np.float64)
     t_open = np.full(tbase[-1], np.inf, dtype=np.float64)
     t_room = np.full(tbase[-1], -1, dtype=np.int64)
     stack = np.empty(2 * 66, dtype=np.int64)
     stack_bound = np.empty(66, dtype=np.float64)
     if use_tree:
-        for lv in range(num_levels):
-            if not tree[lv]:
-                continue
-            for b in range(num_blocks[lv]):
-                set_leaf(lv, b, base, num_mb > 0, -1, width, tbase, t_load, t_open, t_room)
-            fix_up(lv, 0, num_blocks[lv] - 1, width, tbase, t_load, t_open, t_room)
+        for b in range(num_blocks[0]):
+            set_leaf(0, b, base, num_mb > 0, -1, width, tbase, t_load, t_open, t_room)
+        fix_up(0, 0, num_blocks[0] - 1, width, tbase, t_load, t_open, t_room)
     # Once some rank ends above the target, anything that ends below that rank is free.
     limit = max(target, base)
     # Rank-seconds placed so far and still to come (at the cheapest sizes): an option that
@@ -194,10 +173,10 @@ def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.f
                 fit_end = np.inf
                 fit_b = -1
                 fit_room = 0
-                if tree[lv]:
+                if use_tree and lv == 0:
                     best_b, best_end = best_block(lv, p, t, open_cost, width, tbase, t_load,
                                                   t_open, t_room, stack, stack_bound)
-                for b in range(0 if tree[lv] else num_blocks[lv]):
+                for b in range(0 if use_tree and lv == 0 else num_blocks[lv]):
                     bb = offset[lv] + b
                     if blk_room[bb] >= p:
                         end = bload[bb] + t
@@ -268,8 +247,8 @@ def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.f
             room = max(room, room_cap - g_fill[blk_g[bb, q]])
         blk_room[bb] = room
         if use_tree:
-            _refresh(lv_pick, b_pick, sizes, offset, bload, bcount, blk_room, num_mb, tree,
-                     width, tbase, t_load, t_open, t_room)
+            _refresh(lv_pick, b_pick, sizes, bload, bcount, blk_room, num_mb, width, tbase,
+                     t_load, t_open, t_room)
         limit = max(limit, bload[bb])
         item_level[i] = lv_pick
         item_group[i] = g_pick

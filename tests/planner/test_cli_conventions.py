@@ -227,3 +227,14 @@ def test_flag_message_renames_fields_not_plain_words() -> None:
     assert flag_message("x: [Errno 28] No space left on device", flags) == \
         "x: [Errno 28] No space left on device"
     assert flag_message("steps must be >= 0", flags) == "steps must be >= 0"
+
+
+def test_console_script_flushes_before_its_fast_exit(tmp_path: Path) -> None:
+    # `dcp-plan` ends with os._exit (cli.entry): everything printed to a pipe must still arrive.
+    plan = tmp_path / "p.arrow"
+    out = _run([str(BIN / "dcp-plan"), str(SAMPLE), *BASE, "-o", str(plan), "--json"])
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["num_steps"] == 20
+    shown = _run([str(BIN / "dcp-plan"), "show", str(plan), "--steps", ":"])
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.splitlines()[-1].split()[0] == "19"   # the last step's row
