@@ -65,23 +65,26 @@ def block_layout(sizes: NDArray[np.int64], pool_size: int
 @numba.njit(cache=True)
 def _add(lv: int, b: int, dload: float, dcount: int, sizes: NDArray[np.int64],
          offset: NDArray[np.int64], bload: NDArray[np.float64], bcount: NDArray[np.int64]) -> None:
-    """Add to every rank of block (lv, b); keep every block's max load and max count exact."""
+    """Add ``dload`` >= 0 and ``dcount`` >= 0 to every rank of block (lv, b); keep every block's
+    max load and max count exact.
+
+    Loads and counts only grow, so an enclosing block's max is the larger of its own and the
+    grown block's, and the walk up stops at the first enclosing block that does not change.
+    """
     for sub in range(lv + 1):
         r = sizes[lv] // sizes[sub]
         for j in range(offset[sub] + b * r, offset[sub] + (b + 1) * r):
             bload[j] += dload
             bcount[j] += dcount
-    child = b
+    child = offset[lv] + b
+    blk = b
     for up in range(lv + 1, len(sizes)):
-        r = sizes[up] // sizes[up - 1]
-        parent = child // r
-        mx = -np.inf
-        mc = 0
-        for j in range(offset[up - 1] + parent * r, offset[up - 1] + (parent + 1) * r):
-            mx = max(mx, bload[j])
-            mc = max(mc, bcount[j])
-        bload[offset[up] + parent] = mx
-        bcount[offset[up] + parent] = mc
+        blk //= sizes[up] // sizes[up - 1]
+        parent = offset[up] + blk
+        if bload[child] <= bload[parent] and bcount[child] <= bcount[parent]:
+            return
+        bload[parent] = max(bload[parent], bload[child])
+        bcount[parent] = max(bcount[parent], bcount[child])
         child = parent
 
 
