@@ -221,6 +221,28 @@ def simulate_step(cost: CostModel, pool_size: int, microbatch: NDArray[np.intege
     return float(t)
 
 
+@numba.njit(cache=True)
+def _cheapest(lengths: NDArray[np.int64], sizes: NDArray[np.int64], mults: NDArray[np.int64],
+              capacity: int, c: NDArray[np.float64]) -> tuple[NDArray[np.float64],
+                                                             NDArray[np.float64]]:
+    """Per sequence, (its cheapest work, its fastest time) over the sizes that hold it (inf:
+    none does); ``step_lower_bound``'s terms, with numpy's operation order, so the same bits."""
+    n = len(lengths)
+    best_work = np.full(n, np.inf)
+    best_time = np.full(n, np.inf)
+    for lv in range(len(sizes)):
+        k = sizes[lv]
+        m = mults[lv]
+        lat = (k - 1) * c[2] if k > 1 else 0.0
+        for i in range(n):
+            p = float(-(-lengths[i] // m) * m)
+            if k * capacity >= p:
+                work = c[0] * p + c[1] * p * p + (k - 1) * c[3] * p
+                best_work[i] = min(best_work[i], work)
+                best_time[i] = min(best_time[i], work / k + lat)
+    return best_work, best_time
+
+
 def step_lower_bound(cost: CostModel, pool_size: int, lengths: NDArray[np.integer],
                      sizes: tuple[int, ...], capacity: int, tp_eff: int, layout: str,
                      num_microbatches_min: int = 1, *, pad_to: int = 1) -> float:
@@ -233,17 +255,9 @@ def step_lower_bound(cost: CostModel, pool_size: int, lengths: NDArray[np.intege
     ``num_microbatches_min`` microbatch costs are added: every rank runs that many microbatches.
     """
     L = np.asarray(lengths, dtype=np.int64)
-    best_work = np.full(L.shape, np.inf)
-    best_time = np.full(L.shape, np.inf)
-    c = cost.as_array()
-    for k in sizes:
-        m = pad_multiple(k, tp_eff, layout, pad_to)
-        P = (-(-L // m) * m).astype(np.float64)
-        fits = k * capacity >= P
-        work = c[0] * P + c[1] * P * P + (k - 1) * c[3] * P
-        t = work / k + ((k - 1) * c[2] if k > 1 else 0.0)
-        best_work = np.where(fits, np.minimum(best_work, work), best_work)
-        best_time = np.where(fits, np.minimum(best_time, t), best_time)
+    ks = np.asarray(sizes, dtype=np.int64)
+    ms = np.array([pad_multiple(int(k), tp_eff, layout, pad_to) for k in ks], dtype=np.int64)
+    best_work, best_time = _cheapest(L, ks, ms, capacity, cost.as_array())
     finite = np.isfinite(best_work)
     work = float(best_work[finite].sum()) / pool_size
     single = float(best_time[finite].max()) if finite.any() else 0.0

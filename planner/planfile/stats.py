@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numba
 import numpy as np
 from numpy.typing import NDArray
 
@@ -37,12 +38,22 @@ def min_padded(tokens: NDArray[np.int64], sizes: tuple[int, ...], capacity: int,
 
     A group holds k x C padded tokens, and one segment at most MAX_SEGMENT_TOKENS (int32 rows).
     """
-    tokens = np.asarray(tokens, dtype=np.int64)
+    ks = np.sort(np.asarray(sizes, dtype=np.int64))
+    mults = np.array([pad_multiple(int(k), tp_eff, layout, pad_to) for k in ks], dtype=np.int64)
+    return _min_padded(np.asarray(tokens, dtype=np.int64), ks, mults, capacity, MAX_SEGMENT_TOKENS)
+
+
+@numba.njit(cache=True)
+def _min_padded(tokens: NDArray[np.int64], sizes: NDArray[np.int64], mults: NDArray[np.int64],
+                capacity: int, max_segment: int) -> NDArray[np.int64]:
     out = np.zeros(len(tokens), dtype=np.int64)
-    for k in sorted(sizes, reverse=True):
-        m = pad_multiple(k, tp_eff, layout, pad_to)
-        p = -(-tokens // m) * m
-        out = np.where(p <= min(k * capacity, MAX_SEGMENT_TOKENS), p, out)
+    for i in range(len(tokens)):
+        for lv in range(len(sizes)):
+            m = mults[lv]
+            p = -(-tokens[i] // m) * m
+            if p <= min(sizes[lv] * capacity, max_segment):
+                out[i] = p
+                break
     return out
 
 

@@ -14,9 +14,11 @@ from numpy.typing import NDArray
 
 from planner.groups import LAYOUTS, pad_multiple, valid_cp_sizes
 from planner.planfile.coverage import Coverage
+from planner.planfile.stepcheck import rows_valid
 from planner.planfile.schema import (
     COLUMN_NAMES,
     EVAL,
+    NUMPY_DTYPES,
     PLAN_KINDS,
     PlanHeader,
     column_numpy,
@@ -40,9 +42,33 @@ class _Errors:
             raise ValueError(f"{source}: invalid plan:\n  " + "\n  ".join(self.items) + more)
 
 
+def _fast_valid(i: int, cols: dict[str, NDArray[Any]], header: PlanHeader) -> bool:
+    """stepcheck.rows_valid on the step (False, so the numpy checks run, for unusual dtypes)."""
+    if any(cols[name].dtype != dtype for name, dtype in NUMPY_DTYPES.items()):
+        return False
+    n = header.parallel.pool_size
+    mult_of = np.zeros(n + 1, dtype=np.int64)
+    for s in header.cp_sizes:
+        if 1 <= s <= n:
+            mult_of[s] = pad_multiple(int(s), header.parallel.tp_eff, header.layout,
+                                      header.pad_to_multiple)
+    return bool(rows_valid(i, cols["step"], cols["microbatch"], cols["rank_start"],
+                           cols["cp_size"], cols["sample_index"], cols["num_tokens"],
+                           cols["padded_tokens"], n, header.capacity_tokens_per_rank, mult_of,
+                           header.parallel.microbatch_multiple))
+
+
 def _check_step(
     i: int, cols: dict[str, NDArray[Any]], header: PlanHeader, err: _Errors
 ) -> None:
+    if not _fast_valid(i, cols, header):
+        _word_step_errors(i, cols, header, err)
+
+
+def _word_step_errors(
+    i: int, cols: dict[str, NDArray[Any]], header: PlanHeader, err: _Errors
+) -> None:
+    """The per-step invariants, with numpy, each violation worded into ``err``."""
     n = header.parallel.pool_size
     cap = header.capacity_tokens_per_rank
     tp_eff = header.parallel.tp_eff

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numba
 import numpy as np
 from numpy.typing import NDArray
 
 from planner.cost import _simulate
 from planner.groups import MAX_SEGMENT_TOKENS, pad_multiple
 from planner.solver.bounds import malleable_bound
-from planner.solver.items import item_tables
+from planner.solver.items import item_tables, seq_time
 from planner.solver.megatron import megatron_arrays, megatron_padded
 from planner.solver.static_cp import padded_lengths, static_bins
 
@@ -125,17 +126,38 @@ def static_rows(sample: NDArray[np.int64], offset: NDArray[np.int64],
     return _rows(groups, sample, offset, tokens, padded)
 
 
+@numba.njit(cache=True)
+def _malleable_floor(padded: NDArray[np.int64], sizes: NDArray[np.int64], capacity: int,
+                     pool_size: int, c: NDArray[np.float64]) -> float:
+    """A lower bound of ``malleable_bound`` (every segment must fit the largest size): the
+    segments' rank-seconds, each at the smallest size that holds it and without latency, over
+    N, or the fastest time of the longest segment (its best size, latency included; a longer
+    segment is never faster), whichever is larger."""
+    total = 0.0
+    longest = 0
+    for i in range(len(padded)):
+        p = float(padded[i])
+        lv = 0
+        while sizes[lv] * capacity < padded[i]:
+            lv += 1
+        total += c[0] * p + c[1] * p * p + (sizes[lv] - 1) * c[3] * p
+        longest = max(longest, padded[i])
+    fastest = np.inf
+    for lv in range(len(sizes)):
+        if sizes[lv] * capacity >= longest:
+            fastest = min(fastest, seq_time(c, sizes[lv], float(longest))
+                          + (sizes[lv] - sizes[0]) * c[2])
+    return max(total / pool_size, fastest)
+
+
 def megatron_bound(tokens: NDArray[np.int64], cost: NDArray[np.float64], *, pool_size: int,
                    capacity: int, tp_eff: int, sizes: NDArray[np.int64],
                    ours: float = np.inf) -> float:
     """A lower bound of Megatron's simulated time; inf when it cannot place a segment.
 
-    The malleable bound (bounds.py) of its 2N-padded lengths, unless a cheaper bound already
-    rules Megatron out against ``ours`` (our step time): the average rank load with each
-    segment at its cheapest size (the smallest that holds it, without latency), which never
-    exceeds the malleable one. On the Wikipedia lengths it decides nearly every step (2N
-    padding alone costs more than our gap to the bound) and saves the tables, 4 ms a step at
-    N = 1024.
+    The malleable bound (bounds.py) of its 2N-padded lengths, unless a cheaper bound that never
+    exceeds it (``_malleable_floor``) already rules Megatron out against ``ours``, our step
+    time: that spares the bound's tables (4 ms a step at N = 1024).
     """
     P = megatron_padded(tokens, pool_size, tp_eff)
     fits = min(pool_size, int(sizes[-1])) * capacity
@@ -143,9 +165,7 @@ def megatron_bound(tokens: NDArray[np.int64], cost: NDArray[np.float64], *, pool
         return np.inf
     fixed = cost[4] + (sizes[0] - 1) * cost[2]
     m = max(1, -(-int(P.sum()) // (pool_size * capacity)))
-    k = sizes[np.searchsorted(sizes * capacity, P)].astype(np.float64)
-    pf = P.astype(np.float64)
-    cheap = float((cost[0] * pf + cost[1] * pf * pf + (k - 1) * cost[3] * pf).sum()) / pool_size
+    cheap = _malleable_floor(P, sizes, capacity, pool_size, cost)
     if ours < (cheap + m * fixed) * (1 - MARGIN):
         return float(cheap + m * fixed)
     mults = np.full(len(sizes), 2 * pool_size * tp_eff, dtype=np.int64)
