@@ -116,8 +116,12 @@ def _add_dataset_arguments(p: argparse.ArgumentParser, *, required: bool) -> Non
                    help="skip malformed records (reported) instead of stopping"
                    if required else "read the dataset as the plan was made with "
                    "--skip-bad-records")
-    p.add_argument("--field", help="record field with tokens or a length (default: input_ids, "
-                   "tokens, length, num_tokens, the first present)")
+    p.add_argument("--field", help="record field (JSONL) or column (Parquet, Arrow) with tokens "
+                   "or a length (default: input_ids, tokens, length, num_tokens, the first "
+                   "present); the plan records it, so dcp-train and validate read it too"
+                   if required else "record field or column to read (default: the one the "
+                   "plan was made with, its header's dataset.field); give it only for a "
+                   "dataset whose field was renamed since planning: it is read, with a notice")
 
 
 def _plan_parser() -> argparse.ArgumentParser:
@@ -296,18 +300,28 @@ def cmd_validate(argv: list[str]) -> int:
 
     with PlanFile(args.plan) as f:
         lengths = None
+        recorded = f.header.dataset.field
         if items:
+            from planner.sources.fieldname import field_hint, override_notice, replay_field
             from planner.sources.lengths import read_lengths
 
-            table = read_lengths(items, skip_bad_records=args.skip_bad_records,
-                                 field=args.field)
+            # The field the plan was made with (dataset.field), unless --field overrides it.
+            field = replay_field(recorded, args.field)
+            notice = override_notice(recorded, args.field, args.plan)
+            if notice:
+                print(f"{PROG} validate: {notice}", file=sys.stderr)
+            try:
+                table = read_lengths(items, skip_bad_records=args.skip_bad_records,
+                                     field=field)
+            except ValueError as e:
+                raise ValueError(field_hint(str(e), recorded, args.field, args.plan)) from None
             lengths = table.lengths
         validate(f.header, f, lengths, source=args.plan)
         content = False
         if lengths is not None:  # the lengths match: with content fingerprints, every token
             from planner.sources.content import check_content
 
-            content = check_content(f.header.dataset.files, table, args.field, source=args.plan)
+            content = check_content(f.header.dataset.files, table, field, source=args.plan)
         result = {"plan": args.plan, "valid": True, "kind": f.header.kind,
                   "num_steps": f.num_steps,
                   "format_version": f.header.format_version,

@@ -39,7 +39,8 @@ def plan_summary(header: PlanHeader, out: str | Path, phases: dict[str, float]) 
         "dataset": {"path": d.path, "format": d.format, "num_samples": d.num_samples,
                     "num_tokens": d.num_tokens, "fingerprint": d.fingerprint, "files": files,
                     **({"content_fingerprint": d.content_fingerprint}
-                       if d.content_fingerprint else {})},
+                       if d.content_fingerprint else {}),
+                    **({"field": d.field} if d.field else {})},
         "parallel": {"dp": p.dp, "cp": p.cp, "tp": p.tp, "pp": p.pp, "vpp": p.vpp,
                      "sequence_parallel": p.sequence_parallel, "pool_size": p.pool_size,
                      "microbatch_group_size": p.microbatch_group_size},
@@ -78,7 +79,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = [
         f"plan      {s['plan']}",
         f"dataset   {d['path']}: {d['num_samples']:,} samples, {d['num_tokens']:,} tokens "
-        f"({d['format']})",
+        f"({d['format']}" + (f", field {d['field']!r}" if d.get("field") else "") + ")",
     ]
     if len(d["files"]) > 1:
         for f in d["files"]:

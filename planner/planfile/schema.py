@@ -66,6 +66,10 @@ class DatasetInfo:
     content_fingerprint: str = ""
     """Format 2, ``dcp-plan --fingerprint content``: sha256 over the files' content fingerprints
     (``planner.sources.content``); empty (and absent from the JSON): lengths only."""
+    field: str = ""
+    """Format 2, ``dcp-plan --field NAME``: the record field (JSONL) or column (Parquet, Arrow)
+    the lengths, and so the runtime's tokens, were read from; empty (and absent from the JSON):
+    the default fields (``input_ids``, ``tokens``, ...)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -129,6 +133,8 @@ class PlanHeader:
             del d["pad_to_multiple"]
         if not self.dataset.content_fingerprint:
             del d["dataset"]["content_fingerprint"]
+        if not self.dataset.field:
+            del d["dataset"]["field"]
         return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
     @classmethod

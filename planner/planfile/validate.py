@@ -260,6 +260,8 @@ def _check_header(header: PlanHeader, err: _Errors) -> None:
     bad_sizes = set(header.cp_sizes) - set(valid_cp_sizes(p.pool_size))
     if bad_sizes or not header.cp_sizes:
         err.add(f"header: cp_sizes {sorted(bad_sizes)} are not valid for a pool of {p.pool_size}")
+    if not isinstance(header.dataset.field, str):
+        err.add(f"header: dataset field {header.dataset.field!r} is not a field name (a string)")
     if header.layout not in LAYOUTS:
         err.add(f"header: layout {header.layout!r} is not one of {', '.join(LAYOUTS)}")
     if header.pad_to_multiple < 1:

@@ -91,6 +91,9 @@ class LengthTable:
     """Sorted sample indices of the bad records skipped with skip_bad_records."""
     files: tuple[DataFile, ...] = field(default=())
     """The dataset's files in sample order (read_lengths fills it; empty: one file, ``path``)."""
+    field: str | None = None
+    """The field or column the lengths were read from (``read_lengths(field=...)``); None: the
+    default fields. A plan records it (``dataset.field``) so the runtime reads the same one."""
 
     def __post_init__(self) -> None:
         # A public constructor (notebooks, benchmarks build tables from arrays): bad input is a
@@ -282,4 +285,5 @@ def read_lengths(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
         raise ValueError(f"{given}: all {len(all_lengths)} samples are bad records")
     formats = {f.format for f in infos}
     return LengthTable(path=given, format=formats.pop() if len(formats) == 1 else "mixed",
-                       lengths=all_lengths, skipped=all_skipped, files=tuple(infos))
+                       lengths=all_lengths, skipped=all_skipped, files=tuple(infos),
+                       field=field)

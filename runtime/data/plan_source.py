@@ -5,7 +5,10 @@ the Megatron and torchtitan adapters call, so they all read and check a dataset 
 
 1. bad records are read as the planner counted them: a plan made with ``--skip-bad-records``
    that skipped some opens the source with ``skip_bad_records`` (those records are empty
-   samples), so training does not stop on the line the planner skipped;
+   samples), so training does not stop on the line the planner skipped; and the tokens are
+   read from the field the plan was made with (``dcp-plan --field``, the header's
+   ``dataset.field``; ``field=`` overrides it, ``planner.sources.fieldname``), every file's
+   first sample decoded once so a field that holds lengths, not tokens, fails here;
 2. the lengths fingerprint (``PlanReader.check_dataset``): a changed, reordered, truncated or
    extended dataset is refused;
 3. with ``dcp-plan --fingerprint content``, the content fingerprint (``verify_content``): every
@@ -32,6 +35,7 @@ import torch.distributed as dist
 from numpy.typing import NDArray
 
 from planner.sources.content import CHUNK_TOKENS, block_digest, block_starts, file_digest
+from planner.sources.fieldname import field_hint, replay_field
 from runtime.data.plan_reader import PlanReader
 from runtime.data.tokens import TokenSource, open_token_source, read_segments
 
@@ -46,19 +50,34 @@ def plan_skips_records(reader: PlanReader) -> bool:
     return int(reader.header.stats.get("skipped_bad_records", 0) or 0) > 0
 
 
-def open_plan_source(reader: PlanReader, paths: Paths) -> TokenSource:
+def open_plan_source(reader: PlanReader, paths: Paths, *,
+                     field: str | None = None) -> TokenSource:
     """The plan's dataset, opened as the planner read it and checked against the plan.
+
+    ``field`` overrides the record field the plan was made with (its header's
+    ``dataset.field``; None: that one), for a dataset whose field was renamed since planning;
+    the fingerprints still check what it reads.
 
     Collective when the plan has content fingerprints and a process group is initialised
     (every rank must call it, in the same order relative to other collectives).
 
     Raises:
         ValueError: the dataset is not the plan's (lengths or, with content fingerprints,
-            tokens), naming the plan and the file.
+            tokens), or its records lack the field or hold no tokens under it, naming the plan
+            and the file (and the line, for a record).
     """
-    source = open_token_source(paths, skip_bad_records=plan_skips_records(reader))
+    recorded = reader.header.dataset.field
     try:
-        check_plan_source(reader, source)
+        source = open_token_source(paths, skip_bad_records=plan_skips_records(reader),
+                                   field=replay_field(recorded, field))
+    except ValueError as e:
+        raise ValueError(field_hint(str(e), recorded, field, str(reader.path))) from None
+    try:
+        try:
+            check_plan_source(reader, source)
+            _first_tokens(reader, source)
+        except ValueError as e:
+            raise ValueError(field_hint(str(e), recorded, field, str(reader.path))) from None
     except BaseException:
         close = getattr(source, "close", None)
         if close is not None:
@@ -72,6 +91,19 @@ def check_plan_source(reader: PlanReader, source: TokenSource) -> None:
     content fingerprints, as ``open_plan_source``)."""
     reader.check_dataset(source.lengths())
     verify_content(reader, source)
+
+
+def _first_tokens(reader: PlanReader, source: TokenSource) -> None:
+    """Decode the first non-empty sample of every file: a JSONL field that holds integer
+    lengths (a plan made from lengths) indexes fine and would fail only at its first step."""
+    lengths = np.asarray(source.lengths(), dtype=np.int64)
+    counts = [int(f["num_samples"]) for f in reader.header.dataset.files] or [len(lengths)]
+    bounds = np.cumsum([0, *counts])
+    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+        kept = np.flatnonzero(lengths[a:b] > 0)
+        if len(kept):
+            i = np.array([a + int(kept[0])], np.int64)
+            read_segments(source, i, np.zeros(1, np.int64), np.ones(1, np.int64))
 
 
 def _world() -> tuple[int, int]:

@@ -140,14 +140,28 @@ class JsonlTokens:
         try:
             toks = _record_tokens(line, self.field)
         except ValueError as e:
-            raise ValueError(f"{self.path}: record of sample {sample_index} (byte "
-                             f"{int(self._offsets[sample_index])}) does not decode: {e}") from None
+            raise ValueError(f"{self.path}: record of sample {sample_index} "
+                             f"({self._where(sample_index)}) does not decode: {e}") from None
         try:
             return np.asarray(toks[offset:offset + length], dtype=np.int64)
         except (OverflowError, TypeError, ValueError) as e:
-            raise ValueError(f"{self.path}: record of sample {sample_index} (byte "
-                             f"{int(self._offsets[sample_index])}) holds a token that is not "
-                             f"an int64 token id ({e})") from None
+            raise ValueError(f"{self.path}: record of sample {sample_index} "
+                             f"({self._where(sample_index)}) holds a token that is not an int64 "
+                             f"token id ({e})") from None
+
+    def _where(self, sample_index: int) -> str:
+        """``line L, byte B`` of a sample's record; counts the newlines before it, so it is
+        only for error messages (the index keeps byte offsets, not line numbers)."""
+        offset = int(self._offsets[sample_index])
+        newlines = pos = 0
+        with open(self.path, "rb") as f:
+            while pos < offset:
+                chunk = f.read(min(1 << 24, offset - pos))
+                if not chunk:
+                    break
+                newlines += chunk.count(b"\n")
+                pos += len(chunk)
+        return f"line {newlines + 1}, byte {offset}"
 
     def close(self) -> None:
         self._file.close()
@@ -167,6 +181,7 @@ def decode_compressed_jsonl(path: str | os.PathLike[str], *, field: str | None =
     values: list[NDArray[np.int64]] = []
     buf = bytearray()
     base = 0  # decompressed offset of buf[0]
+    lines = 0  # newlines before buf[0], for error messages
     r = 0
     for block in iter_decompressed(path):
         buf += block
@@ -177,14 +192,16 @@ def decode_compressed_jsonl(path: str | os.PathLike[str], *, field: str | None =
                 try:
                     toks = _record_tokens(line, field)
                 except ValueError as e:
-                    raise ValueError(f"{path}: record of sample {r} does not decode: {e}"
-                                     ) from None
+                    line_no = lines + buf.count(b"\n", 0, a) + 1
+                    raise ValueError(f"{path}: record of sample {r} (line {line_no}) does not "
+                                     f"decode: {e}") from None
                 values.append(np.asarray(toks, dtype=np.int64))
             else:
                 values.append(np.zeros(0, np.int64))
             r += 1
         # Keep only the bytes of records not yet cut out.
         keep = int(offsets[r]) - base if r < len(offsets) else len(buf)
+        lines += buf.count(b"\n", 0, keep)
         del buf[:keep]
         base += keep
     if r != len(offsets):

@@ -162,16 +162,17 @@ class ConcatTokens:
                 close()
 
 
-def _open_one(p: Path, *, skip_bad_records: bool = False, **kwargs: object) -> TokenSource:
+def _open_one(p: Path, *, skip_bad_records: bool = False, field: str | None = None,
+              **kwargs: object) -> TokenSource:
     suffix = p.suffix.lower()
     if is_compressed(p):
-        opts = {k: v for k, v in kwargs.items() if k == "field"}
-        return decode_compressed_jsonl(p, skip_bad_records=skip_bad_records,
-                                       **opts)  # type: ignore[arg-type]
+        return decode_compressed_jsonl(p, skip_bad_records=skip_bad_records, field=field)
     if suffix in (".jsonl", ".json"):
-        return JsonlTokens(p, skip_bad_records=skip_bad_records, **kwargs)  # type: ignore[arg-type]
+        return JsonlTokens(p, skip_bad_records=skip_bad_records, field=field,
+                           **kwargs)  # type: ignore[arg-type]
     if suffix in (".arrow", ".feather", ".ipc", ".parquet", ".pq"):
-        return ArrowTokens(p, **kwargs)  # type: ignore[arg-type]
+        return ArrowTokens(p, field, **kwargs)  # type: ignore[arg-type]
+    # A Megatron .bin has no fields (the planner ignores --field for it too).
     if suffix in (".bin", ".idx"):
         return MegatronTokens(p.with_suffix(""))
     if Path(str(p) + ".idx").is_file():
@@ -181,11 +182,16 @@ def _open_one(p: Path, *, skip_bad_records: bool = False, **kwargs: object) -> T
 
 
 def open_token_source(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
-                      *, skip_bad_records: bool = False, **kwargs: object) -> TokenSource:
+                      *, skip_bad_records: bool = False, field: str | None = None,
+                      **kwargs: object) -> TokenSource:
     """Open a dataset by extension: .jsonl/.json (also .gz/.zst), .arrow/.feather/.ipc,
     .parquet/.pq, or a Megatron ``.bin``/``.idx`` (either file, or the prefix without suffix);
     or several of these, a directory or a glob (in ``planner.sources.dataset``'s order) as one
     source.
+
+    ``field`` names the JSONL record field or the Parquet/Arrow column holding the tokens, as
+    ``dcp-plan --field`` did (default: ``input_ids``, then ``tokens``); Megatron files have no
+    fields. ``runtime.data.plan_source.open_plan_source`` passes the plan's recorded field.
 
     ``skip_bad_records`` reads the dataset as ``dcp-plan --skip-bad-records`` did: a bad JSONL
     record becomes an empty sample instead of an error (the columnar and Megatron sources
@@ -195,11 +201,13 @@ def open_token_source(path: str | os.PathLike[str] | Sequence[str | os.PathLike[
         os.fspath(p) for p in path]
     files = [f for f, _ in expand_paths(items, DATASET_SUFFIXES)]
     if len(files) == 1 and len(items) == 1 and files[0] == items[0]:
-        return _open_one(Path(files[0]), skip_bad_records=skip_bad_records, **kwargs)
+        return _open_one(Path(files[0]), skip_bad_records=skip_bad_records, field=field,
+                         **kwargs)
     sources: list[TokenSource] = []
     try:
         for f in files:
-            sources.append(_open_one(Path(f), skip_bad_records=skip_bad_records, **kwargs))
+            sources.append(_open_one(Path(f), skip_bad_records=skip_bad_records, field=field,
+                                     **kwargs))
     except BaseException:
         for s in sources:
             close = getattr(s, "close", None)

@@ -19,6 +19,7 @@ eval_microbatches, seconds (``runtime.train.evaluate``).
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -34,6 +35,7 @@ from planner.cliargs import (
     refuse,
 )
 from planner.sources.dataset import parse_data_path
+from planner.sources.fieldname import override_notice
 from runtime.adapters import FRAMEWORKS, load_launcher
 from runtime.train.backends import ATTENTIONS
 from runtime.train.common import DTYPES, TrainConfig, process_group, require_one_process
@@ -75,6 +77,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--data-path", nargs="+", default=None, metavar="[WEIGHT] PATH",
                    help="Megatron-style alternative to --dataset (the weights are the plan's; "
                    "they are read and ignored here)")
+    p.add_argument("--field", default=None, metavar="NAME",
+                   help="record field (JSONL) or column (Parquet, Arrow) holding the tokens "
+                   "(default: the one the plan was made with, dcp-plan --field, recorded in its "
+                   "header; else input_ids, then tokens). Only for a dataset whose field was "
+                   "renamed since planning: NAME is read instead, with a one-line notice, and "
+                   "the plan's fingerprints still check what is read")
     p.add_argument("--steps", "--train-iters", dest="steps", type=nonnegative_int, default=0,
                    help="absolute step to stop before (0: all steps of the plan)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to train")
@@ -101,6 +109,8 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--eval-plan", default="", help="evaluation plan (.arrow, kind eval); its "
                     "pool, tp and pp must be the training plan's")
     ev.add_argument("--eval-dataset", default="", help="the dataset the eval plan was made for")
+    ev.add_argument("--eval-field", default=None, metavar="NAME",
+                    help="as --field, for the eval dataset (default: the eval plan's field)")
     ev.add_argument("--eval-interval", type=int, default=0, metavar="K",
                     help="evaluate after every K training steps and after the last "
                     "(0: only after the last)")
@@ -141,6 +151,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, GPTConfi
     a = p.parse_args(argv)
     if a.dataset and a.data_path:
         p.error("give the dataset with --dataset or --data-path, not both")
+    for flag, value in (("--field", a.field), ("--eval-field", a.eval_field)):
+        if value is not None and not value.strip():
+            p.error(f"{flag} needs a field name")
     items: tuple[str, ...]
     if a.data_path:
         try:
@@ -152,7 +165,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, GPTConfi
     try:
         model_config = model_config_from_args(a)
         cfg = TrainConfig(plan=a.plan, dataset=items[0] if len(items) == 1 else " ".join(items),
-                          datasets=items if len(items) > 1 else (), steps=a.steps,
+                          datasets=items if len(items) > 1 else (), field=a.field,
+                          eval_field=a.eval_field, steps=a.steps,
                           device=a.device, seed=a.seed, attention=a.attention, dtype=a.dtype,
                           lr=a.lr, weight_decay=a.weight_decay, log_jsonl=a.log_jsonl,
                           save=a.save, save_every=a.save_every, resume=a.resume, quiet=a.quiet,
@@ -166,9 +180,31 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, GPTConfi
     return cfg, model_config, a.reference, a.framework
 
 
+def _field_notices(cfg: TrainConfig) -> None:
+    """One line on stderr (rank 0) for each ``--field`` / ``--eval-field`` that overrides the
+    field its plan was made with (``planner.sources.fieldname``: the override wins)."""
+    from planner.planfile.io import PlanFile
+
+    if os.environ.get("RANK", "0") != "0":
+        return
+    for plan, given, flag in ((cfg.plan, cfg.field, "--field"),
+                              (cfg.eval_plan, cfg.eval_field, "--eval-field")):
+        if given is None or not plan:
+            continue
+        try:
+            with PlanFile(plan) as f:
+                recorded = f.header.dataset.field
+        except (OSError, ValueError):
+            continue  # the run reports an unreadable plan itself
+        notice = override_notice(recorded, given, plan, flag=flag)
+        if notice:
+            print(f"dcp-train: {notice}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``dcp-train``; returns the process exit status."""
     cfg, model_config, reference, framework = parse_args(argv)
+    _field_notices(cfg)
     torch.manual_seed(cfg.seed)
     previous = signal.signal(signal.SIGTERM, raise_terminated)
     try:

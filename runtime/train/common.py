@@ -41,6 +41,9 @@ class TrainConfig:
     """The dataset the plan was made for (a path, directory or glob; see ``datasets``)."""
     datasets: tuple[str, ...] = ()
     """Several dataset items in order (``dcp-train --dataset A B``); empty: ``dataset`` alone."""
+    field: str | None = None
+    """Record field (JSONL) or column (Parquet, Arrow) of the tokens; None: the one the plan
+    was made with (its header's ``dataset.field``), which this overrides (a renamed field)."""
     steps: int = 0
     """Absolute step to stop before; 0 means every step of the plan."""
     device: str = "cpu"
@@ -70,6 +73,8 @@ class TrainConfig:
     """Evaluation plan (``dcp-plan --eval``) run forward only during training; empty: none."""
     eval_dataset: str = ""
     """The dataset the eval plan was made for (required with ``eval_plan``)."""
+    eval_field: str | None = None
+    """As ``field``, for the eval dataset (None: the eval plan's recorded field)."""
     eval_interval: int = 0
     """Evaluate after every ``eval_interval`` training steps (absolute: after steps K, 2K, ...)
     and after the run's last step; 0: only after the last step."""
@@ -107,8 +112,13 @@ class TrainConfig:
         if self.eval_plan and not self.eval_dataset:
             raise ValueError("--eval-plan needs --eval-dataset (the dataset the eval plan was "
                              "made for)")
-        if not self.eval_plan and (self.eval_dataset or self.eval_interval or self.eval_steps):
-            raise ValueError("--eval-dataset, --eval-interval and --eval-steps need --eval-plan")
+        if not self.eval_plan and (self.eval_dataset or self.eval_interval or self.eval_steps
+                                   or self.eval_field is not None):
+            raise ValueError("--eval-dataset, --eval-field, --eval-interval and --eval-steps "
+                             "need --eval-plan")
+        for name in ("field", "eval_field"):
+            if getattr(self, name) == "":
+                raise ValueError(f"{name} must be a field name or None, got ''")
         if not self.distributed_timeout_minutes > 0:
             raise ValueError("--distributed-timeout-minutes must be > 0, got "
                              f"{self.distributed_timeout_minutes}")

@@ -62,7 +62,7 @@ class Evaluator:
         self.cfg = cfg
         self.reader = PlanReader(cfg.eval_plan)
         try:
-            self.source = open_plan_source(self.reader, cfg.eval_dataset)
+            self.source = open_plan_source(self.reader, cfg.eval_dataset, field=cfg.eval_field)
         except BaseException:
             self.reader.close()
             raise

@@ -153,14 +153,14 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
     """The oracle: every sequence alone, full causal attention, loss = sum / count per step."""
     device = resolve_device(cfg)
     reader = PlanReader(cfg.plan)
-    source = open_plan_source(reader, cfg.dataset_paths)
+    source = open_plan_source(reader, cfg.dataset_paths, field=cfg.field)
     eval_reader = eval_source = None
     if cfg.eval_plan:
         # The same refusals as the replayed run: the oracle evaluates what it would evaluate.
         eval_reader = PlanReader(cfg.eval_plan)
         check_eval_layout(eval_reader.header, reader.header, eval_source=cfg.eval_plan,
                           train_source=cfg.plan)
-        eval_source = open_plan_source(eval_reader, cfg.eval_dataset)
+        eval_source = open_plan_source(eval_reader, cfg.eval_dataset, field=cfg.eval_field)
     model = build_model(model_config, cfg.seed, device)
     optimizer = build_optimizer(model, cfg)
     meta = checkpoint_meta(model_config, reader)

@@ -98,7 +98,7 @@ class Trainer:
             self._owned.append(reader)
         if source is None:
             # Read as the planner counted (bad records skipped), lengths and content checked.
-            source = open_plan_source(reader, cfg.dataset_paths)
+            source = open_plan_source(reader, cfg.dataset_paths, field=cfg.field)
             self._owned.append(source)
         else:
             check_plan_source(reader, source)

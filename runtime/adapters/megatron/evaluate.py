@@ -51,7 +51,7 @@ class MegatronEvaluator:
                  num_chunks: int, device: torch.device, vocab_size: int) -> None:
         self.reader = PlanReader(cfg.eval_plan)
         try:
-            self.source = open_plan_source(self.reader, cfg.eval_dataset)
+            self.source = open_plan_source(self.reader, cfg.eval_dataset, field=cfg.eval_field)
         except BaseException:
             self.reader.close()
             raise

@@ -51,7 +51,7 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
     device = resolve_device(cfg)
     patches.apply_patches(device)
     reader = PlanReader(cfg.plan)
-    source = open_plan_source(reader, cfg.dataset_paths)
+    source = open_plan_source(reader, cfg.dataset_paths, field=cfg.field)
     try:
         header = reader.header
         par = ModelParallel(dtype=DTYPES[cfg.dtype])
@@ -70,7 +70,7 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
             eval_reader = PlanReader(cfg.eval_plan)
             check_eval_layout(eval_reader.header, header, eval_source=cfg.eval_plan,
                               train_source=cfg.plan)
-            eval_source = open_plan_source(eval_reader, cfg.eval_dataset)
+            eval_source = open_plan_source(eval_reader, cfg.eval_dataset, field=cfg.eval_field)
         logger = StepLogger(cfg, enabled=True)
         result = TrainResult()
         try:

@@ -85,8 +85,8 @@ def validator_config(cfg: TrainConfig, *, last_step: int) -> PlanValidator.Confi
     if not cfg.eval_plan:
         return PlanValidator.Config(enable=False)
     return PlanValidator.Config(enable=True, plan=cfg.eval_plan, dataset=cfg.eval_dataset,
-                                max_steps=cfg.eval_steps, interval=cfg.eval_interval,
-                                last_step=last_step)
+                                field=cfg.eval_field, max_steps=cfg.eval_steps,
+                                interval=cfg.eval_interval, last_step=last_step)
 
 
 def trainer_config(cfg: TrainConfig, model_config: GPTConfig, *,
@@ -107,7 +107,7 @@ def trainer_config(cfg: TrainConfig, model_config: GPTConfig, *,
         dump_folder=dump_folder or os.getcwd(),
         tokenizer=PlanTokenizer.Config(vocab_size=model_config.vocab_size),
         dataloader=PlanDataLoader.Config(plan=cfg.plan, dataset=cfg.dataset,
-                                         datasets=list(cfg.datasets),
+                                         datasets=list(cfg.datasets), field=cfg.field,
                                          vocab_size=model_config.vocab_size),
         loss=CrossEntropyLoss.Config(),
         optimizer=optimizer,

@@ -117,6 +117,9 @@ class PlanDataLoader(BaseDataLoader):
         """When > 0, token ids must be below it (a clear error names step and samples)."""
         datasets: list[str] = field(default_factory=list)
         """Several dataset items in order (files, directories, globs); empty: ``dataset``."""
+        field: str | None = None
+        """Record field (JSONL) or column of the tokens; None: the one the plan was made with
+        (its header's ``dataset.field``), which this overrides."""
         timeout_seconds: float | None = None
         """Timeout of the plan's CP groups; None: ``PlanTrainer`` sets the trainer's
         ``comm.train_timeout_seconds`` (torch's default, 30 min for gloo, if built alone)."""
@@ -136,7 +139,8 @@ class PlanDataLoader(BaseDataLoader):
         self.reader = PlanReader(config.plan)
         try:
             # Read as the planner counted (bad records skipped), lengths and content checked.
-            self.source = open_plan_source(self.reader, config.datasets or config.dataset)
+            self.source = open_plan_source(self.reader, config.datasets or config.dataset,
+                                           field=config.field)
         except BaseException:
             self.reader.close()
             raise

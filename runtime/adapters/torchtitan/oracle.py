@@ -49,14 +49,14 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig) -> TrainResult:
                          "--resume): run the whole range of steps instead")
     device = resolve_device(cfg)
     reader = PlanReader(cfg.plan)
-    source = open_plan_source(reader, cfg.dataset_paths)
+    source = open_plan_source(reader, cfg.dataset_paths, field=cfg.field)
     evaluation: tuple[PlanReader, TokenSource] | None = None
     if cfg.eval_plan:
         # The same refusals as the replayed run: the oracle evaluates what it would evaluate.
         eval_reader = PlanReader(cfg.eval_plan)
         check_eval_layout(eval_reader.header, reader.header, eval_source=cfg.eval_plan,
                           train_source=cfg.plan)
-        eval_source = open_plan_source(eval_reader, cfg.eval_dataset)
+        eval_source = open_plan_source(eval_reader, cfg.eval_dataset, field=cfg.eval_field)
         evaluation = (eval_reader, eval_source)
     config = llama3_config(model_config, max_seq_len=max_seq_len(reader))
     model = build_llama3(config, seed=cfg.seed).to(device)

@@ -49,6 +49,8 @@ class PlanValidator(Validator):
         """Evaluation plan (kind eval) for the training job's pool, tp and pp."""
         dataset: str = ""
         """The dataset the eval plan was made for."""
+        field: str | None = None
+        """Record field or column of its tokens; None: the one the eval plan was made with."""
         max_steps: int = 0
         """Evaluate only the eval plan's first steps; 0: all of it."""
         interval: int = 0
@@ -73,7 +75,8 @@ class PlanValidator(Validator):
         Collective (``EvalSchedule`` checks that every rank built the same pass).
         """
         self.reader = PlanReader(self.config.plan)
-        self.source = open_plan_source(self.reader, self.config.dataset)
+        self.source = open_plan_source(self.reader, self.config.dataset,
+                                       field=self.config.field)
         check_eval_layout(self.reader.header, loader.reader.header,
                           eval_source=self.config.plan, train_source=loader.config.plan)
         self.schedule = EvalSchedule(self.reader, self.source, loader.topology, loader.catalog,
