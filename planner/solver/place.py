@@ -41,10 +41,11 @@ from planner.solver.blocktree import best_block, fix_up, set_leaf, tree_layout
 
 BALANCE = 0
 PACK = 1
-TREE_MIN_BLOCKS = 512
-"""Blocks of the smallest size from which the search trees beat the scan (same answer either
-way): a balance pass of 16 N segments took 2.9 ms scanning vs 4.9 ms with trees at N = 256,
-5.7 vs 6.3 at 512 and 19.9 vs 14.7 at 1024."""
+TREE_MIN_BLOCKS = 128
+"""Blocks of the smallest size from which the search tree beats the scan (same answer either
+way), measured as a balance pass of 16 N segments on the Wikipedia lengths, scan vs tree: N = 64
+0.20 vs 0.22 ms, 128 0.54 vs 0.51, 256 1.96 vs 1.65, 1024 10.8 (the tree without its
+lowest-load shortcut) vs 7.3."""
 
 
 @numba.njit(cache=True)
@@ -92,13 +93,14 @@ def _add(lv: int, b: int, dload: float, dcount: int, sizes: NDArray[np.int64],
 def _refresh(lv: int, b: int, sizes: NDArray[np.int64], bload: NDArray[np.float64],
              bcount: NDArray[np.int64], blk_room: NDArray[np.int64], num_mb: int,
              width: NDArray[np.int64], base: NDArray[np.int64], t_load: NDArray[np.float64],
-             t_open: NDArray[np.float64], t_room: NDArray[np.int64]) -> None:
+             t_open: NDArray[np.float64], t_room: NDArray[np.int64],
+             t_arg: NDArray[np.int64]) -> None:
     """Mirror into the smallest size's search tree the blocks ``_add(lv, b, ...)`` changed."""
     r = sizes[lv] // sizes[0]
     for j in range(b * r, (b + 1) * r):
         set_leaf(0, j, bload[j], bcount[j] < num_mb, blk_room[j], width, base, t_load, t_open,
-                 t_room)
-    fix_up(0, b * r, (b + 1) * r - 1, width, base, t_load, t_open, t_room)
+                 t_room, t_arg)
+    fix_up(0, b * r, (b + 1) * r - 1, width, base, t_load, t_open, t_room, t_arg)
 
 
 @numba.njit(cache=True)
@@ -135,12 +137,13 @@ def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.f
     t_load = np.full(tbase[-1], np.inf, dtype=np.float64)
     t_open = np.full(tbase[-1], np.inf, dtype=np.float64)
     t_room = np.full(tbase[-1], -1, dtype=np.int64)
+    t_arg = np.full(tbase[-1], -1, dtype=np.int64)
     stack = np.empty(2 * 66, dtype=np.int64)
     stack_bound = np.empty(66, dtype=np.float64)
     if use_tree:
         for b in range(num_blocks[0]):
-            set_leaf(0, b, base, num_mb > 0, -1, width, tbase, t_load, t_open, t_room)
-        fix_up(0, 0, num_blocks[0] - 1, width, tbase, t_load, t_open, t_room)
+            set_leaf(0, b, base, num_mb > 0, -1, width, tbase, t_load, t_open, t_room, t_arg)
+        fix_up(0, 0, num_blocks[0] - 1, width, tbase, t_load, t_open, t_room, t_arg)
     # Once some rank ends above the target, anything that ends below that rank is free.
     limit = max(target, base)
     # Rank-seconds placed so far and still to come (at the cheapest sizes): an option that
@@ -178,7 +181,7 @@ def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.f
                 fit_room = 0
                 if use_tree and lv == 0:
                     best_b, best_end = best_block(lv, p, t, open_cost, width, tbase, t_load,
-                                                  t_open, t_room, stack, stack_bound)
+                                                  t_open, t_room, t_arg, stack, stack_bound)
                 for b in range(0 if use_tree and lv == 0 else num_blocks[lv]):
                     bb = offset[lv] + b
                     if blk_room[bb] >= p:
@@ -251,7 +254,7 @@ def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.f
         blk_room[bb] = room
         if use_tree:
             _refresh(lv_pick, b_pick, sizes, bload, bcount, blk_room, num_mb, width, tbase,
-                     t_load, t_open, t_room)
+                     t_load, t_open, t_room, t_arg)
         limit = max(limit, bload[bb])
         item_level[i] = lv_pick
         item_group[i] = g_pick
