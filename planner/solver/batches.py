@@ -59,12 +59,13 @@ def epoch_permutation(num_samples: int, seed: int, epoch: int) -> NDArray[np.int
 
 @numba.njit(cache=True)
 def _radix_argsort(keys: NDArray[np.uint64]) -> NDArray[np.int64]:
-    """The stable argsort of ``keys`` (LSD radix, 8 passes of 8 bits): numpy's stable sort of
-    uint64 is a timsort, 113 ms at a million keys against 46 ms here; the order is the same."""
+    """The stable argsort of ``keys`` (LSD radix, 8 passes of 8 bits), which it sorts in place:
+    numpy's stable sort of uint64 is a timsort, 113 ms at a million keys against 46 ms here,
+    and the order is the same. Besides ``keys``, 3 arrays of its length (numpy's: about 2.5)."""
     n = len(keys)
     perm = np.arange(n)
     tmp = np.empty(n, dtype=np.int64)
-    k = keys.copy()
+    k = keys
     k2 = np.empty(n, dtype=np.uint64)
     count = np.empty(257, dtype=np.int64)
     mask = np.uint64(255)
