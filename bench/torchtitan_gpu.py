@@ -50,6 +50,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DIR = ROOT / "out" / "torchtitan_gpu"
@@ -192,7 +193,9 @@ def run_compare(src: Path, out: Path, args: argparse.Namespace) -> int:
     if "te" in attentions and not _te_importable():
         print("Transformer Engine not importable: skipping the te runs", flush=True)
         attentions.remove("te")
-    rows = []
+    # One row per run; values of several types (str, int, float, list of losses) that the loop
+    # below reads back by key, so the rows are typed as plain JSON objects.
+    rows: list[dict[str, Any]] = []
 
     def add(name: str, plan: str, attention: str, argv: list[str], module: str) -> None:
         rc = _launch(argv, 2, out / f"{name}.jsonl", out / f"{name}.txt", args.timeout, module)
