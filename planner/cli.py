@@ -33,7 +33,14 @@ from planner.cliargs import (
     refuse,
 )
 from planner.cliengine import add_engine_arguments, engine_settings
-from planner.cliguard import Terminated, dataset_items, default_output, input_files, terminate
+from planner.cliguard import (
+    Terminated,
+    dataset_items,
+    default_output,
+    input_files,
+    interrupting_signal,
+    terminate,
+)
 from planner.clishow import cmd_show
 from planner.config import (
     EFFORTS,
@@ -350,9 +357,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, EngineError) as e:
         print(f"{PROG}: error: {flag_message(str(e), FLAGS)}", file=sys.stderr)
         return 2
-    except (KeyboardInterrupt, Terminated) as e:
+    except (KeyboardInterrupt, Terminated, SystemError) as e:
         # The writer's cleanup ran on the way out (temporary files removed, nothing renamed).
-        signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
+        # A SystemError is a signal only when one is in its chain (see interrupting_signal).
+        signum = interrupting_signal(e)
+        if signum is None:
+            raise
         print(f"{PROG}: interrupted by {signal.Signals(signum).name}; no plan written",
               file=sys.stderr)
         return 128 + signum

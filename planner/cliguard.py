@@ -5,6 +5,7 @@ exception (so the writer's cleanup runs as on Ctrl-C; schedulers and torchrun se
 from __future__ import annotations
 
 import argparse
+import signal
 from pathlib import Path
 
 
@@ -37,6 +38,26 @@ class Terminated(BaseException):
 def terminate(signum: int, frame: object) -> None:
     """A signal handler: ``signal.signal(signal.SIGTERM, terminate)``."""
     raise Terminated(signum)
+
+
+def interrupting_signal(e: BaseException) -> int | None:
+    """The signal behind ``e``: a ``Terminated`` or ``KeyboardInterrupt``, or one in its chain
+    of causes; None for anything else.
+
+    The chain matters for a signal that lands while C code is calling back into Python (numba
+    unpickling a cached kernel, ``planner.cost._cheapest``): the handler's exception comes
+    out wrapped in ``SystemError("... returned a result with an exception set")``.
+    """
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, Terminated):
+            return cur.signum
+        if isinstance(cur, KeyboardInterrupt):
+            return int(signal.SIGINT)
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
 
 
 def dataset_items(parser: argparse.ArgumentParser, args: argparse.Namespace,

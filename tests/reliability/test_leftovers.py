@@ -89,3 +89,39 @@ def test_later_write_removes_what_a_killed_writer_left(tmp_path: Path) -> None:
     write_plan(out, h, [step_batch(schema, c) for c in handmade.steps()])
     assert _temps(out) == []
     assert out.is_file()
+
+
+def _wrapped(inner: BaseException) -> SystemError:
+    """What CPython raises when a signal handler's exception lands while C code is calling back
+    into Python (seen with numba's ``_numba_unpickle`` inside ``planner.cost._cheapest``)."""
+    try:
+        try:
+            raise inner
+        except BaseException as e:
+            raise SystemError("<function _numba_unpickle> returned a result with an exception "
+                              "set") from e
+    except SystemError as e:
+        return e
+
+
+def test_a_signal_wrapped_in_a_system_error_is_still_an_interruption(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from planner import cli, cliguard
+
+    assert cliguard.interrupting_signal(_wrapped(cliguard.Terminated(15))) == 15
+    assert cliguard.interrupting_signal(_wrapped(KeyboardInterrupt())) == signal.SIGINT
+    assert cliguard.interrupting_signal(_wrapped(ValueError("x"))) is None
+
+    def interrupted(argv: list[str]) -> int:
+        raise _wrapped(cliguard.Terminated(signal.SIGTERM))
+
+    monkeypatch.setattr(cli, "cmd_plan", interrupted)
+    assert cli.main(["data.jsonl"]) == 128 + signal.SIGTERM
+    assert "dcp-plan: interrupted by SIGTERM; no plan written" in capsys.readouterr().err
+
+    def broken(argv: list[str]) -> int:
+        raise _wrapped(ValueError("a real SystemError"))
+
+    monkeypatch.setattr(cli, "cmd_plan", broken)
+    with pytest.raises(SystemError):  # not a signal: not hidden
+        cli.main(["data.jsonl"])
