@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numba
 import numpy as np
 from numpy.typing import NDArray
 
@@ -126,21 +127,34 @@ class LengthTable:
 
 def _strict_digits(a: NDArray[np.uint8], ends: NDArray[np.intp]) -> NDArray[np.int64] | None:
     """Values of a chunk made only of lines of 1-18 ASCII digits; None if it is anything else."""
-    digits = a - np.uint8(ord("0"))  # wraps below '0', so one comparison tests for a digit
-    if np.count_nonzero(digits < 10) != len(a) - len(ends):
-        return None
-    starts = np.empty_like(ends)
-    starts[0] = 0
-    starts[1:] = ends[:-1] + 1
-    sizes = ends - starts
-    if int(sizes.min()) < 1 or int(sizes.max()) > _MAX_DIGITS:
-        return None
-    # Add the k-th digit from the right of every line at once: memory stays O(lines).
-    values = np.zeros(len(ends), dtype=np.int64)
-    for k in range(int(sizes.max())):
-        digit = digits[np.maximum(ends - 1 - k, 0)].astype(np.int64)
-        values += np.where(sizes > k, digit, 0) * 10**k
-    return values
+    values = np.empty(len(ends), dtype=np.int64)
+    return values if _parse_digit_lines(a, values) else None
+
+
+@numba.njit(cache=True)
+def _parse_digit_lines(a: NDArray[np.uint8], values: NDArray[np.int64]) -> bool:
+    """One pass: every newline-ended line's value into ``values``; False at the first byte that
+    is not a digit, an empty line or one of more than ``_MAX_DIGITS`` digits. (Bytes after the
+    last newline are not a line; chunks end with one.)"""
+    line = 0
+    value = 0
+    size = 0
+    for j in range(len(a)):
+        c = a[j]
+        if c == 10:  # newline
+            if size < 1 or size > _MAX_DIGITS:
+                return False
+            values[line] = value
+            line += 1
+            value = 0
+            size = 0
+        elif 48 <= c <= 57:
+            if size < _MAX_DIGITS:
+                value = value * 10 + (c - 48)
+            size += 1
+        else:
+            return False
+    return True
 
 
 def _text_lines(path: str, chunk: bytes, line0: int, sample0: int,
