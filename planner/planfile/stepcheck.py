@@ -71,8 +71,8 @@ def rows_valid(i: int, step: NDArray[np.int32], mb: NDArray[np.int32],
             covered += kj
         elif kj != g_k:
             return False              # rows of one group disagree on cp_size
-        p = np.int64(padded[j])
-        t = np.int64(ntok[j])
+        p = int(padded[j])
+        t = int(ntok[j])
         if p < t or t < 0 or p % mult_of[kj] != 0:
             return False
         if (sample[j] < 0) != (t == 0):
@@ -80,4 +80,4 @@ def rows_valid(i: int, step: NDArray[np.int32], mb: NDArray[np.int32],
         g_pad += p
     if g_pad > g_k * capacity or covered != n:
         return False
-    return (np.int64(mb[rows - 1]) + 1) % microbatch_multiple == 0
+    return bool((int(mb[rows - 1]) + 1) % microbatch_multiple == 0)

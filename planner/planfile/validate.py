@@ -14,7 +14,6 @@ from numpy.typing import NDArray
 
 from planner.groups import LAYOUTS, pad_multiple, valid_cp_sizes
 from planner.planfile.coverage import Coverage
-from planner.planfile.stepcheck import rows_valid
 from planner.planfile.schema import (
     COLUMN_NAMES,
     EVAL,
@@ -25,6 +24,7 @@ from planner.planfile.schema import (
     dataset_content_fingerprint,
     fingerprint_lengths,
 )
+from planner.planfile.stepcheck import rows_valid
 
 
 class _Errors:

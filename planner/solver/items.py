@@ -80,10 +80,7 @@ def _tables(tokens: NDArray[np.int64], sizes: NDArray[np.int64], mults: NDArray[
         for lv in range(num_levels):
             k = sizes[lv]
             m = mults[lv]
-            if mask[lv] != 0:
-                p = (tokens[i] + m - 1) & mask[lv]
-            else:
-                p = (tokens[i] + m - 1) // m * m
+            p = (tokens[i] + m - 1) & mask[lv] if mask[lv] != 0 else (tokens[i] + m - 1) // m * m
             padded[i, lv] = p
             # Plan rows are int32: a segment never pads past MAX_SEGMENT_TOKENS.
             fits[i, lv] = p <= k * capacity and p <= max_segment

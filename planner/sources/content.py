@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
-import pyarrow.parquet as pq
 from numpy.typing import NDArray
 
 from planner.planfile.schema import dataset_content_fingerprint
@@ -259,6 +258,8 @@ def token_column(path: str, schema: pa.Schema, field: str | None) -> str:
 
 def _columnar(path: str, fmt: str, lengths: NDArray[np.int64], field: str | None
               ) -> Iterator[NDArray[np.int64]]:
+    import pyarrow.parquet as pq  # only Parquet inputs need it (import cost)
+
     row0 = 0
     try:
         if fmt == "parquet":
