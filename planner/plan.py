@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numba
 import numpy as np
 import pyarrow as pa
 from numpy.typing import NDArray
@@ -151,18 +152,38 @@ def apply_long_policy(lengths: NDArray[np.int64], config: PlannerConfig, *,
 def _segments(order: NDArray[np.int64], policy: LongPolicyResult) -> tuple[
         NDArray[np.int64], NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]:
     """Expand samples (in batch order) into segments: (sample, offset, tokens, per-sample count)."""
-    tok = policy.tokens[order]
-    split = policy.split[order]
-    if not split.any():
+    if not policy.split[order].any():
+        tok = policy.tokens[order]
         return order, np.zeros(len(order), dtype=np.int64), tok, np.ones(len(order), np.int64)
-    seg = max(policy.segment_tokens, 1)
-    count = np.where(split, -(-tok // seg), 1)
-    sample = np.repeat(order, count)
-    first = np.repeat(np.cumsum(count) - count, count)
-    offset = (np.arange(len(sample), dtype=np.int64) - first) * seg
-    # A sample that fits is never longer than seg, so the minimum only cuts split samples.
-    tokens = np.minimum(seg, np.repeat(tok, count) - offset)
-    return sample, offset, tokens, count
+    return _expand(order, policy.tokens, policy.split, max(policy.segment_tokens, 1))
+
+
+@numba.njit(cache=True)
+def _expand(order: NDArray[np.int64], tokens: NDArray[np.int64], split: NDArray[np.bool_],
+            seg: int) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64],
+                               NDArray[np.int64]]:
+    """``_segments`` with split samples: one pass, no temporaries of the segments' length (the
+    numpy version's peaked at ~1 GB above its inputs for 20M samples)."""
+    n = len(order)
+    count = np.empty(n, dtype=np.int64)
+    total = 0
+    for j in range(n):
+        i = order[j]
+        count[j] = -(-tokens[i] // seg) if split[i] else 1
+        total += count[j]
+    sample = np.empty(total, dtype=np.int64)
+    offset = np.empty(total, dtype=np.int64)
+    out = np.empty(total, dtype=np.int64)
+    q = 0
+    for j in range(n):
+        i = order[j]
+        for s in range(count[j]):
+            sample[q] = i
+            offset[q] = s * seg
+            # A sample that fits is never longer than seg, so the minimum only cuts split ones.
+            out[q] = min(seg, tokens[i] - s * seg)
+            q += 1
+    return sample, offset, out, count
 
 
 def dataset_files(table: LengthTable) -> tuple[DataFile, ...]:
