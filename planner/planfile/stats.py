@@ -124,7 +124,8 @@ class StatsAccumulator:
         self.fillers += int((~real_rows).sum())
         # A group is a run of rows with equal (microbatch, rank_start); fillers sit alone.
         key = mb.astype(np.int64) * (n + 1) + cols["rank_start"]
-        first = np.r_[True, key[1:] != key[:-1]] if len(key) else np.zeros(0, np.bool_)
+        first = np.ones(len(key), dtype=np.bool_)
+        np.not_equal(key[1:], key[:-1], out=first[1:])
         group_k = cols["cp_size"][first & real_rows]
         for k in self.groups:
             self.groups[k] += int((group_k == k).sum())
