@@ -139,7 +139,13 @@ def verify_content(reader: PlanReader, source: TokenSource) -> None:
     if not any(f.get("content_fingerprint") for f in files):
         return
     lengths = np.asarray(source.lengths(), dtype=np.int64)
-    names = list(getattr(source, "names", [])) or [str(f["path"]) for f in files]
+    # Name the files read (a many-file source's names, a single file's own path), which
+    # may differ from the paths the plan lists (dcp-train --dataset elsewhere/d.jsonl).
+    names = list(getattr(source, "names", []))
+    own = getattr(source, "path", None) or getattr(source, "prefix", None)
+    if not names and len(files) == 1 and own is not None:
+        names = [str(own)]
+    names = names or [str(f["path"]) for f in files]
     bounds = np.cumsum([0] + [int(f["num_samples"]) for f in files])
     blocks: list[tuple[int, int, int]] = []  # (file, first sample, end sample), global indices
     for j in range(len(files)):

@@ -67,7 +67,10 @@ def check_read(name: str, lengths: NDArray[np.int64], sample: int, offset: int,
 class ArrayTokens:
     """Samples held in memory as one flat array of values and offsets (``offsets[-1] == len``)."""
 
-    def __init__(self, values: NDArray[np.integer], offsets: NDArray[np.integer]) -> None:
+    def __init__(self, values: NDArray[np.integer], offsets: NDArray[np.integer], *,
+                 path: str | os.PathLike[str] | None = None) -> None:
+        self.path = None if path is None else Path(path)
+        """The file the samples were decoded from (a compressed JSONL), for messages."""
         self._values = np.asarray(values)
         self._offsets = np.asarray(offsets, dtype=np.int64)
         self._lengths = np.diff(self._offsets)

@@ -210,7 +210,7 @@ def decode_compressed_jsonl(path: str | os.PathLike[str], *, field: str | None =
     flat = np.concatenate(values) if values else np.zeros(0, np.int64)
     if flat.size and flat.min() >= np.iinfo(np.int32).min and flat.max() <= np.iinfo(np.int32).max:
         flat = flat.astype(np.int32)
-    return ArrayTokens(flat, np.r_[0, np.cumsum(lens)])
+    return ArrayTokens(flat, np.r_[0, np.cumsum(lens)], path=path)
 
 
 def is_compressed(path: str | os.PathLike[str]) -> bool:

@@ -12,6 +12,7 @@ planned without ``--field``) prove which field was read.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -290,7 +291,8 @@ def test_content_fingerprint_and_validate_use_the_recorded_field(
     edited[5][0] = (edited[5][0] + 1) % VOCAB
     bad = write(tmp_path / f"e.{fmt}", edited)
     with PlanReader(plan) as reader, pytest.raises(
-            ValueError, match=r"the tokens of .* changed since planning"):
+            ValueError, match=rf"the tokens of {re.escape(str(bad))} \(content fingerprint .* "
+                              r"changed since planning"):
         open_plan_source(reader, str(bad))
     assert plan_main(["validate", str(plan), str(bad)]) == 2
     assert f"{bad}: its tokens changed since {plan} was planned" in capsys.readouterr().err
