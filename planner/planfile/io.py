@@ -17,7 +17,7 @@ import contextlib
 import errno
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +149,19 @@ def write_plan(path: str | os.PathLike[str], header: PlanHeader,
     if check:
         steps = list(steps)
         validate(header, steps, lengths, source=str(path))
+    with _plan_sink(path, header, overwrite=overwrite) as put:
+        for batch in steps:
+            put(batch, None)
+    return path
+
+
+@contextlib.contextmanager
+def _plan_sink(path: Path, header: PlanHeader, *, overwrite: bool
+               ) -> Iterator[Callable[[pa.RecordBatch, dict[str, NDArray[Any]] | None], None]]:
+    """``put(batch, columns)`` writes a step into a temporary next to ``path`` (``columns``:
+    the batch's as numpy, when the caller has them); a normal exit of the block fsyncs it and
+    renames it over ``path``, any exception removes it (ValueError naming the path for I/O)."""
+    path = check_output_path(path, overwrite=overwrite)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -157,14 +170,17 @@ def write_plan(path: str | os.PathLike[str], header: PlanHeader,
     remove_stale_temps(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     schema = arrow_schema(header)
+    plain = schema.remove_metadata()
     try:
         with pa.OSFile(str(tmp), "wb") as sink, ipc.new_file(sink, schema) as writer:
-            for batch in steps:
-                if batch.schema.remove_metadata() != schema.remove_metadata():
+            def put(batch: pa.RecordBatch, cols: dict[str, NDArray[Any]] | None) -> None:
+                if batch.schema.remove_metadata() != plain:
                     raise ValueError(f"step batch schema {batch.schema} does not match the plan's")
-                digest = step_digest([column_numpy(batch, n) for n in COLUMN_NAMES])
+                digest = step_digest([cols[n] if cols is not None else column_numpy(batch, n)
+                                      for n in COLUMN_NAMES])
                 writer.write_batch(batch.replace_schema_metadata(schema.metadata),
                                    custom_metadata={STEP_CHECKSUM_KEY: digest.encode()})
+            yield put
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -175,7 +191,6 @@ def write_plan(path: str | os.PathLike[str], header: PlanHeader,
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return path
 
 
 class PlanFile:
@@ -304,10 +319,11 @@ def write_plan_stream(path: str | os.PathLike[str], steps: Iterable[dict[str, ND
     """Write a plan whose header is known only after its last step, in bounded memory.
 
     Each step's columns (``steps`` is consumed once, in order) go to a spill file next to
-    ``path`` as they come; then ``header()`` is asked for, the spilled steps are validated
-    against it (``planfile.validate``, coverage with ``lengths``) and copied into the plan
-    through ``write_plan``. At no point are two steps in memory; the spill is always removed,
-    and nothing is written under ``path`` unless the plan is valid.
+    ``path`` as they come; then ``header()`` is asked for, and in one pass over the spill every
+    step is validated against it (``planfile.validate``, coverage with ``lengths``) and copied
+    into the plan's temporary, renamed into place only if all of it is valid. At no point are
+    two steps in memory; the spill is always removed, and nothing is written under ``path``
+    unless the plan is valid.
     """
     path = check_output_path(path, overwrite=overwrite)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -324,9 +340,10 @@ def write_plan_stream(path: str | os.PathLike[str], steps: Iterable[dict[str, ND
         final = header()
         reader = _Spill(spill)
         try:
-            validate(final, reader, lengths, source=str(path))
-            write_plan(path, final, (reader[i] for i in range(len(reader))), check=False,
-                       overwrite=overwrite)
+            # One pass: each step is checked, then copied into the plan's temporary, which
+            # becomes the plan only when every check (coverage at each epoch's end) passed.
+            with _plan_sink(path, final, overwrite=overwrite) as put:
+                validate(final, reader, lengths, source=str(path), on_step=put)
         finally:
             reader.close()
     finally:

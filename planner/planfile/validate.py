@@ -6,6 +6,7 @@ It is vectorised with numpy so that a plan of a million rows checks in well unde
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -298,6 +299,7 @@ def validate(
     lengths: NDArray[np.integer] | None = None,
     *,
     source: str = "plan",
+    on_step: Callable[[pa.RecordBatch, dict[str, NDArray[Any]]], None] | None = None,
 ) -> None:
     """Check every invariant of PLAN_FORMAT.md; raise ValueError listing the first problems.
 
@@ -310,6 +312,9 @@ def validate(
         lengths: the dataset's sample lengths in file order; when given, coverage is checked to
             the last token and the fingerprint is compared.
         source: a name for error messages (the plan's path).
+        on_step: called with each step's batch and columns, in step order, once its own checks
+            ran (its epoch's coverage is checked at the epoch's end): the streaming writer copies
+            the steps this way in the same pass. Nothing it wrote counts until this returns.
     """
     err = _Errors()
     _check_header(header, err)
@@ -337,6 +342,8 @@ def validate(
             if header.global_batch.get("blend"):
                 _check_blend_step(i, cols["sample_index"], header, err)
             coverage.add(cols["sample_index"], cols["token_offset"], cols["num_tokens"])
+            if on_step is not None:
+                on_step(b, cols)
         blend = header.global_batch.get("blend")
         check = None
         if blend:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +54,26 @@ def test_an_invalid_streamed_plan_writes_nothing(tmp_path: Path) -> None:
     wrong[3] += 1  # another dataset: fingerprint and coverage fail
     with pytest.raises(ValueError, match="fingerprint"):
         write_plan_stream(tmp_path / "p.arrow", stream.steps(), stream.header, lengths=wrong)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_step_found_invalid_after_others_were_copied_leaves_nothing(tmp_path: Path) -> None:
+    # Validation and the copy into the plan's temporary run in one pass: steps before the bad
+    # one are already in the temporary when its epoch's errors are raised.
+    lengths = np.full(64, 500, np.int64)
+    config = PlannerConfig(parallel=ParallelConfig(dp=2, cp=2), capacity_tokens_per_rank=4096,
+                           global_batch_size=16, epochs=2)
+    stream = PlanStream(_table(lengths), config, COST)
+
+    def corrupt_last_of_first_epoch() -> Iterator[dict[str, np.ndarray]]:
+        for i, cols in enumerate(stream.steps()):
+            if i == 3:
+                cols = {**cols, "microbatch": cols["microbatch"] + 1}  # no microbatch 0
+            yield cols
+
+    with pytest.raises(ValueError, match="step 3"):
+        write_plan_stream(tmp_path / "p.arrow", corrupt_last_of_first_epoch(), stream.header,
+                          lengths=lengths)
     assert list(tmp_path.iterdir()) == []
 
 
