@@ -54,14 +54,15 @@ def epoch_permutation(num_samples: int, seed: int, epoch: int) -> NDArray[np.int
     # splitmix64 is a bijection of uint64, so distinct indices get distinct keys: the order is
     # unique (the stable sort only makes that independent of the sort algorithm by definition).
     keys = _splitmix64(base ^ np.arange(num_samples, dtype=np.uint64))
-    return _radix_argsort(keys)
+    return radix_argsort(keys)
 
 
 @numba.njit(cache=True)
-def _radix_argsort(keys: NDArray[np.uint64]) -> NDArray[np.int64]:
-    """The stable argsort of ``keys`` (LSD radix, 8 passes of 8 bits), which it sorts in place:
+def radix_argsort(keys: NDArray[np.uint64]) -> NDArray[np.int64]:
+    """The stable argsort of ``keys`` (LSD radix, 8 passes of 8 bits; ``keys`` is overwritten):
     numpy's stable sort of uint64 is a timsort, 113 ms at a million keys against 46 ms here,
-    and the order is the same. Besides ``keys``, 3 arrays of its length (numpy's: about 2.5)."""
+    and the order is the same. Besides ``keys``, 3 arrays of its length (numpy's: about 2.5).
+    A pass whose byte is the same in every key moves nothing and is skipped."""
     n = len(keys)
     perm = np.arange(n)
     tmp = np.empty(n, dtype=np.int64)
@@ -74,6 +75,8 @@ def _radix_argsort(keys: NDArray[np.uint64]) -> NDArray[np.int64]:
         count[:] = 0
         for i in range(n):
             count[((k[i] >> shift) & mask) + 1] += 1
+        if n == 0 or count[((k[0] >> shift) & mask) + 1] == n:
+            continue
         for d in range(256):
             count[d + 1] += count[d]
         for i in range(n):
