@@ -104,16 +104,31 @@ def _refresh(lv: int, b: int, sizes: NDArray[np.int64], bload: NDArray[np.float6
 
 
 @numba.njit(cache=True)
+def work_to_come(time: NDArray[np.float64], min_level: NDArray[np.int64],
+                 sizes: NDArray[np.int64]) -> float:
+    """Rank-seconds of every segment at its cheapest size, summed in row order (``place`` keeps
+    what is still to come; the sum's order fixes its last bits, so callers sum the same rows)."""
+    total = 0.0
+    for i in range(len(min_level)):
+        total += time[i, min_level[i]] * sizes[min_level[i]]
+    return total
+
+
+@numba.njit(cache=True)
 def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.float64],
           min_level: NDArray[np.int64], order: NDArray[np.int64], sizes: NDArray[np.int64],
           capacity: int, pool_size: int, c: NDArray[np.float64], num_mb: int, target: float,
-          mode: int, forced_level: NDArray[np.int64], forced_block: NDArray[np.int64],
+          mode: int, to_come: float, forced_level: NDArray[np.int64],
+          forced_block: NDArray[np.int64],
           item_level: NDArray[np.int64], item_group: NDArray[np.int64],
           g_level: NDArray[np.int64], g_block: NDArray[np.int64]) -> tuple[int, float]:
     """Place every segment; (number of groups, makespan), or (-1, inf) if one fits nowhere.
 
     Outputs: ``item_level``/``item_group`` per segment, ``g_level``/``g_block`` per group (in
-    creation order, which emit.py keeps among the groups of one block).
+    creation order, which emit.py keeps among the groups of one block). ``to_come`` is
+    ``work_to_come`` of the tables. The tables' rows may come in any order (``order`` says which
+    to place when); step.py passes them already in placement order, which reads them one after
+    another instead of at random: 0.64x a balance pass at N = 1024, 0.75x at 256.
     """
     n = len(order)
     num_levels = len(sizes)
@@ -150,9 +165,6 @@ def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.f
     # ends above the limit is scored by max(its end, the average load it leads to), so that a
     # wide group (low end, much work) does not win by merely pushing every rank up.
     placed = base * pool_size
-    to_come = 0.0
-    for i in range(n):
-        to_come += time[i, min_level[i]] * sizes[min_level[i]]
     for j in range(n):
         i = order[j]
         to_come -= time[i, min_level[i]] * sizes[min_level[i]]

@@ -21,7 +21,7 @@ from planner.cost import CostModel
 from planner.groups import pad_multiple
 from planner.solver.bounds import full_pool_bound, malleable_bound
 from planner.solver.items import ItemTables, item_tables
-from planner.solver.place import BALANCE, PACK, place
+from planner.solver.place import BALANCE, PACK, place, work_to_come
 
 SOLVER_NAME = "greedy-lpt"
 SOLVER_VERSION = 4
@@ -182,10 +182,32 @@ class Placement:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class InOrder:
+    """The kernel's tables with their rows in placement order (``ItemTables.order``), and the
+    work to come summed over the original rows (the kernel's scores need those exact bits)."""
+
+    padded: NDArray[np.int64]
+    fits: NDArray[np.bool_]
+    time: NDArray[np.float64]
+    min_level: NDArray[np.int64]
+    rows: NDArray[np.int64]
+    """0..n-1: the order in which the kernel places these rows."""
+    to_come: float
+
+    @classmethod
+    def of(cls, t: ItemTables, sizes: NDArray[np.int64]) -> InOrder:
+        o = t.order
+        return cls(padded=t.padded[o], fits=t.fits[o], time=t.time[o], min_level=t.min_level[o],
+                   rows=np.arange(len(o), dtype=np.int64),
+                   to_come=float(work_to_come(t.time, t.min_level, sizes)))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class StepProblem:
     """A step's segments, their tables and bound, and the solver parameters."""
 
     tables: ItemTables
+    in_order: InOrder
     params: PackingParams
     core_bound: float
     """bounds.malleable_bound: the step's bound without microbatch fixed costs (the target)."""
@@ -232,21 +254,28 @@ class StepProblem:
             ) -> Placement | None:
         """One kernel pass; None when some segment fits nowhere with ``num_mb`` microbatches."""
         t = self.tables
+        q = self.in_order
         n = len(t.order)
         p = self.params
         if forced is None:
-            forced = (np.full(n, -1, np.int64), np.full(n, -1, np.int64))
-        item_level = np.empty(n, np.int64)
-        item_group = np.empty(n, np.int64)
+            forced_level = forced_block = np.full(n, -1, np.int64)
+        else:
+            forced_level, forced_block = forced[0][t.order], forced[1][t.order]
+        placed_level = np.empty(n, np.int64)
+        placed_group = np.empty(n, np.int64)
         g_level = np.empty(n, np.int64)
         g_block = np.empty(n, np.int64)
         self.spent[0] += n * (2 * p.pool_size // int(p.sizes[0]))
-        num_groups, seconds = place(t.padded, t.fits, t.time, t.min_level, t.order, p.sizes,
+        num_groups, seconds = place(q.padded, q.fits, q.time, q.min_level, q.rows, p.sizes,
                                     p.capacity, p.pool_size, p.cost, num_mb, target, mode,
-                                    forced[0], forced[1], item_level, item_group, g_level,
-                                    g_block)
+                                    q.to_come, forced_level, forced_block, placed_level,
+                                    placed_group, g_level, g_block)
         if num_groups < 0:
             return None
+        item_level = np.empty(n, np.int64)
+        item_group = np.empty(n, np.int64)
+        item_level[t.order] = placed_level
+        item_group[t.order] = placed_group
         padded = int(t.padded[np.arange(n), item_level].sum())
         return Placement(num_mb=num_mb, seconds=seconds, padded=padded, num_groups=num_groups,
                          item_level=item_level, item_group=item_group,
@@ -278,7 +307,8 @@ def make_problem(tokens: NDArray[np.int64], params: PackingParams) -> StepProble
     if len(tokens) and int(params.sizes[-1]) == params.pool_size:
         full = full_pool_bound(t.padded, t.time, t.work, t.fits, t.min_level, params.sizes,
                                params.capacity, params.cost)
-    return StepProblem(tables=t, params=params, core_bound=float(core),
+    return StepProblem(tables=t, in_order=InOrder.of(t, params.sizes), params=params,
+                       core_bound=float(core),
                        tight_core=max(float(core), float(full)), spent=[0.0])
 
 
