@@ -1,0 +1,98 @@
+"""Side by side: whole `dcp-plan` processes of an earlier revision and of this checkout.
+
+The machines this project runs on are noisy, so speed changes are measured as ratios within one
+run: the planner of ``--base`` (a git revision, exported with ``git archive`` into a temporary
+directory and put first on PYTHONPATH) and this checkout's `dcp-plan` run one after the other,
+``--repeats`` times each, and the table shows the fastest of each (wall and CPU seconds, whole
+process), their CPU ratio and whether the two plans are byte-identical.
+
+Usage:
+    .venv/bin/python bench/bench_ab.py --base REV --lengths FILE [--runs 64:fast,1024:balanced]
+        [--repeats 3]
+
+Each run is N:EFFORT: dp N/4 x cp 4 (dp N when N < 4), C = 16384, global batch 16 N,
+``--long-sequences split``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _export(rev: str, into: Path) -> None:
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "planner"],
+                             capture_output=True, check=False)
+    if archive.returncode != 0:
+        raise SystemExit(f"bench_ab: git archive {rev}: {archive.stderr.decode().strip()}")
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+
+
+def _run(cmd: list[str], env: dict[str, str], cwd: Path) -> tuple[float, float]:
+    """(wall s, CPU s) of one process."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd)
+    _, status, usage = os.wait4(proc.pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"bench_ab: failed: {' '.join(cmd)}")
+    return time.perf_counter() - t0, usage.ru_utime + usage.ru_stime
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", required=True, help="git revision to compare against")
+    ap.add_argument("--lengths", type=Path, required=True, help="dataset (any dcp-plan input)")
+    ap.add_argument("--runs", default="64:fast,256:fast,1024:fast,64:balanced,256:balanced,"
+                    "1024:balanced", help="N:EFFORT,...")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    samples = None
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        (work / "base").mkdir()
+        _export(args.base, work / "base")
+        py = sys.executable
+        variants = {
+            "base": ([py, "-c", "import sys; from planner.cli import main; sys.exit(main())"],
+                     {**os.environ, "PYTHONPATH": str(work / "base")}),
+            "this": ([str(Path(py).with_name("dcp-plan"))], dict(os.environ)),
+        }
+        print(f"{'N':>5} {'effort':>8} {'base wall':>9} {'base cpu':>8} {'this wall':>9} "
+              f"{'this cpu':>8} {'cpu ratio':>9} {'this seq/s':>10}  plans")
+        for run in args.runs.split(","):
+            n_text, effort = run.split(":")
+            pool = int(n_text)
+            cp = 4 if pool % 4 == 0 else 1
+            best = {k: (float("inf"), float("inf")) for k in variants}
+            for _ in range(args.repeats):
+                for name, (cmd, env) in variants.items():
+                    out = work / f"{name}.arrow"
+                    out.unlink(missing_ok=True)
+                    wall, cpu = _run(cmd + [str(args.lengths.resolve()), "-o", str(out),
+                                            "--dp", str(pool // cp), "--cp", str(cp),
+                                            "--max-tokens-per-rank", "16384",
+                                            "--global-batch-size", str(16 * pool),
+                                            "--long-sequences", "split", "--effort", effort,
+                                            "--quiet"], env, work)
+                    best[name] = (min(best[name][0], wall), min(best[name][1], cpu))
+            if samples is None:
+                from planner.planfile.io import PlanFile
+
+                with PlanFile(work / "this.arrow") as pf:
+                    samples = pf.header.dataset.num_samples
+            same = (work / "base.arrow").read_bytes() == (work / "this.arrow").read_bytes()
+            (bw, bc), (tw, tc) = best["base"], best["this"]
+            print(f"{pool:>5} {effort:>8} {bw:>9.2f} {bc:>8.2f} {tw:>9.2f} {tc:>8.2f} "
+                  f"{tc / bc:>9.3f} {samples / tw:>10,.0f}  {'identical' if same else 'DIFFER'}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
