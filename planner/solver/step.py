@@ -3,8 +3,9 @@
 ``PackingParams`` holds what the solver needs from the config and the cost model, including the
 effort's search settings (which targets, how many extra microbatch counts, the CP-SAT budget)
 and a per-step budget of kernel work, so that refinement stays bounded on huge steps.
-``StepProblem`` is one step: its segments' tables (items.py), its malleable bound (bounds.py)
-and ``run``, one pass of the placement kernel (place.py) returning a ``Placement``. The search
+``StepProblem`` is one step: its segments' tables (items.py), the same rows in placement order
+for the kernel (``InOrder``), its malleable bound (bounds.py) and ``run``, one pass of the
+placement kernel (place.py) returning a ``Placement``. The search
 over passes lives in greedy.py; CP-SAT in cpsat.py.
 """
 
