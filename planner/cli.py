@@ -375,7 +375,7 @@ def entry() -> None:
 
     Every file is closed and every temporary removed when ``main`` returns, and the standard
     streams are flushed here; what the skipped teardown would do is free the numba and Arrow
-    state, about 0.15 s of a planning run's 0.6 s fixed cost (BENCHMARKS.md, issue 14).
+    state, about 0.15 s of every run (a run's fixed cost is ~0.75 s; BENCHMARKS.md, issue 14).
     """
     code = main()
     try:

@@ -17,10 +17,11 @@ Cost. A baseline is built only when it could win: first a lower bound of its sim
 valid for any rows it can produce, is compared with our simulated time, and a baseline whose
 bound is above ours is skipped (margin 1e-9 for rounding). Static CP: the average rank load,
 every sequence at size cp plus the microbatches' fixed cost, or its slowest sequence.
-Megatron: the malleable bound (bounds.py) of its 2N-padded lengths, unless the average rank load
-at those lengths already decides (it spares the bound's tables). On the Wikipedia lengths both
-are above ours on almost every step (static CP is 2-4x slower, 2N padding alone costs more than
-our gap to the bound), so the check costs O(segments) and the baselines almost never run.
+Megatron: the malleable bound (bounds.py) of its 2N-padded lengths, unless a floor of it (the
+average rank load, or the longest segment's fastest time) already decides, which spares the
+bound's tables. On the Wikipedia lengths both are above ours on almost every step (static CP
+is 2-4x slower, 2N padding alone costs more than our gap to the bound), so the check costs
+O(segments) and the baselines almost never run.
 """
 
 from __future__ import annotations
