@@ -56,7 +56,8 @@ def cmd_show(argv: list[str]) -> int:
         steps = resolve_steps("--steps", args.steps, n)
     cost = view.cost_model
     cols = ["step", "microbatches", "groups", "samples", "real_tokens", "slot_fill",
-            "simulated_s", "lower_bound_s"] + [f"groups_cp{k}" for k in h.cp_sizes]
+            "simulated_s", "lower_bound_s", "vs_static_cp", "vs_megatron"] + [
+                f"groups_cp{k}" for k in h.cp_sizes]
     if args.json:
         for i in steps:
             print(json.dumps(step_summary_row(h, cost, i, view.step_columns(i)), sort_keys=True))
@@ -64,10 +65,16 @@ def cmd_show(argv: list[str]) -> int:
     print("  ".join(f"{c:>12}" for c in cols))
     for i in steps:
         r = step_summary_row(h, cost, i, view.step_columns(i))
-        print("  ".join(f"{r[c]:>12.4f}" if isinstance(r[c], float) else f"{r[c]:>12}"
-                        for c in cols))
+        print("  ".join(f"{r[c]:>12.4f}" if isinstance(r[c], float) else
+                        f"{'-' if r[c] is None else r[c]:>12}" for c in cols))
     if steps.stop < n:
         print(f"... {n - steps.stop} more steps (use --steps)")
+    from planner.planfile.gain import gain_text
+
+    # The whole plan's predicted gain below the table (the columns: each step's ratio, '-'
+    # where the plan has none; these lines say why).
+    for line in gain_text(h.stats, h.parallel.cp):
+        print(f"gain: {line}")
     return 0
 
 

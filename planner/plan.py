@@ -292,7 +292,8 @@ class PlanStream:
             }
             assert tuple(cols) == COLUMN_NAMES
             self.stats.add(cols, jobs.tokens[jobs.bounds[j]:jobs.bounds[j + 1]],
-                           out.bound_seconds, out.simulated_seconds)
+                           out.bound_seconds, out.simulated_seconds,
+                           (out.static_seconds, out.megatron_seconds))
             yield cols
         self._done = True
 

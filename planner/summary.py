@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from planner.planfile.gain import describe, gain_text
 from planner.planfile.schema import PlanHeader
 
 __all__ = ["format_summary", "plan_summary"]
@@ -62,6 +63,13 @@ def plan_summary(header: PlanHeader, out: str | Path, phases: dict[str, float]) 
         "lower_bound_seconds": bound,
         "time_over_bound": float(s["simulated_seconds"]) / max(bound, 1e-12),
         "cost_model": str(header.cost_model.get("name")),
+        # The predicted gain (planfile/gain.py): a baseline's simulated time over the plan's,
+        # null where it is not scored or cannot run a step ("gain" says why).
+        "vs_static_cp": s.get("vs_static_cp"),
+        "vs_megatron": s.get("vs_megatron"),
+        "gain": {name: {k: v for k, v in d.items() if k != "per_step"}
+                 for name, d in describe(s, p.cp).items()},
+        "gain_text": gain_text(s, p.cp),
         "split_samples": len(s.get("split_samples", [])),
         "truncated_samples": len(s.get("truncated_samples", [])),
         "dropped_samples": len(s.get("dropped_samples", [])),
@@ -105,6 +113,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"time      {s['simulated_seconds']:.2f} s simulated vs lower bound "
         f"{s['lower_bound_seconds']:.2f} s ({s['time_over_bound']:.3f}x) [{s['cost_model']}]",
     ]
+    for i, line in enumerate(s["gain_text"]):
+        lines.append(("gain      " if i == 0 else "          ") + line)
     policy = [f"{s[k]} {k.split('_')[0]}" for k in
               ("split_samples", "truncated_samples", "dropped_samples") if s[k]]
     if s["skipped_bad_records"]:

@@ -7,8 +7,10 @@
 - ``plot_cp_mix``: the share of the step's rank-time (or real tokens) spent in groups of each CP
   size. Counting groups would hide that one group of 8 occupies 8 ranks; shares do not. Past
   ``max_bars`` steps, consecutive steps are binned (shares of the bin's total).
-- ``plot_summary``: one figure, three panels over steps: simulated time over the lower bound,
-  the CP share, and microbatches per step (binned alike).
+- ``plot_summary``: one figure, four panels over steps: simulated time over the lower bound,
+  the predicted gain (static CP's and Megatron's simulated time over the plan's, per step:
+  bars, or past ``max_bars`` steps each bin's min-max band and time-weighted mean), the CP
+  share, and microbatches per step (binned alike).
 
 Legends sit outside the axes, to the right, so they never cover data.
 """
@@ -24,7 +26,7 @@ from numpy.typing import NDArray
 from planner.cost import CostModel, group_seconds
 from planner.planfile.schema import PlanHeader
 
-__all__ = ["plot_cp_mix", "plot_step_load", "plot_summary", "step_bins"]
+__all__ = ["plot_cp_mix", "plot_gain", "plot_step_load", "plot_summary", "step_bins"]
 
 MAX_BARS = 120
 """Above this many steps, per-step panels are binned into about this many bins."""
@@ -170,12 +172,73 @@ def plot_cp_mix(header: PlanHeader, summary: pa.Table, ax: Any = None, *,
     return ax
 
 
+def plot_gain(header: PlanHeader, summary: pa.Table, ax: Any = None, *,
+              max_bars: int = MAX_BARS) -> Any:
+    """Per step, static CP's and Megatron's simulated time over the plan's (binned past
+    ``max_bars``: the bin's min-max band and its time-weighted mean); a note where a baseline
+    has no number (not scored, or a plan made before the gain was recorded)."""
+    from planner.planfile.gain import KEYS, describe
+
+    ax = _axes(ax)
+    n = summary.num_rows
+    edges = step_bins(n, max_bars)
+    binned = len(edges) - 1 < n
+    left, width = _x(edges)
+    centre = left + width / 2
+    sim = summary.column("simulated_s").to_numpy().astype(np.float64)
+    notes = []
+    top = 1.0
+    info = describe(header.stats, header.parallel.cp)
+    for i, (name, key) in enumerate(KEYS.items()):
+        d = info[name]
+        ratio = np.array(summary.column(key).to_pylist() if key in summary.column_names
+                         else [None] * n, dtype=np.float64)
+        if d["ratio"] is None:
+            notes.append(f"{d['label']}: {d['note']}")
+        if not np.isfinite(ratio).any():
+            continue
+        total = (f"{d['ratio']:.3f}x" if d["ratio"] is not None
+                 else f"no total: {int(np.isnan(ratio).sum())} steps it cannot run")
+        colour = ("C1", "C3")[i]
+        if binned:
+            ok = np.isfinite(ratio)
+            r = np.where(ok, ratio, np.nan)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                lo = np.fmin.reduceat(r, edges[:-1])
+                hi = np.fmax.reduceat(r, edges[:-1])
+                mean = (_binned_sum(np.where(ok, r * sim, 0.0), edges)
+                        / _binned_sum(np.where(ok, sim, 0.0), edges))
+            ax.fill_between(centre, lo, hi, step="mid", alpha=0.25, color=colour)
+            ax.step(centre, mean, where="mid", color=colour,
+                    label=f"vs {d['label']} ({total}; band: min-max in bin)")
+        else:
+            off = -0.2 if i == 0 else 0.2
+            ax.bar(np.arange(n) + off, np.nan_to_num(ratio, nan=0.0), width=0.4, color=colour,
+                   label=f"vs {d['label']} ({total})")
+        top = max(top, float(np.nanmax(ratio)))
+    if header.stats.get("baselines") is None:
+        notes = notes[:1] and [notes[0].split(": ", 1)[1]]  # one reason for both
+    ax.axhline(1.0, color="black", linestyle=":", linewidth=1.0, label="no gain")
+    ax.set_ylim(min(0.95, top), top * 1.05 + 1e-9)
+    ax.set_xlim(-0.5, n - 0.5)
+    ax.set_ylabel("baseline time / plan's")
+    ax.set_title("predicted gain: the baselines' simulated step time over the plan's")
+    if notes:  # inside the axes, so a long reason never widens the figure
+        ax.text(0.01, 0.97, "\n".join(notes), transform=ax.transAxes, ha="left", va="top",
+                fontsize=7, wrap=True, bbox={"facecolor": "white", "alpha": 0.8,
+                                             "edgecolor": "none"})
+    ax.set_xlabel("step" + (f" (bins of {int(width[0])} steps)" if binned else ""))
+    _legend_outside(ax, fontsize=8)
+    return ax
+
+
 def plot_summary(header: PlanHeader, summary: pa.Table, *, max_bars: int = MAX_BARS,
                  title: str = "") -> Any:
-    """One figure: time over bound, CP share of rank-time, microbatches, per step (binned)."""
+    """One figure: time over bound, predicted gain, CP share of rank-time, microbatches, per
+    step (binned)."""
     plt = _plt()
-    fig, axes = plt.subplots(3, 1, figsize=(11, 7.5), sharex=True, layout="constrained",
-                             height_ratios=(1.0, 1.3, 0.8))
+    fig, axes = plt.subplots(4, 1, figsize=(11, 9.5), sharex=True, layout="constrained",
+                             height_ratios=(1.0, 1.0, 1.3, 0.8))
     edges = step_bins(summary.num_rows, max_bars)
     binned = len(edges) - 1 < summary.num_rows
     left, width = _x(edges)
@@ -198,9 +261,11 @@ def plot_summary(header: PlanHeader, summary: pa.Table, *, max_bars: int = MAX_B
     ax.set_ylabel("time / bound")
     ax.set_title("simulated step time over its lower bound")
     _legend_outside(ax, fontsize=8)
-    plot_cp_mix(header, summary, axes[1], max_bars=max_bars)
+    plot_gain(header, summary, axes[1], max_bars=max_bars)
     axes[1].set_xlabel("")
-    ax = axes[2]
+    plot_cp_mix(header, summary, axes[2], max_bars=max_bars)
+    axes[2].set_xlabel("")
+    ax = axes[3]
     mb = summary.column("microbatches").to_numpy().astype(np.float64)
     if binned:
         ax.fill_between(centre, np.minimum.reduceat(mb, edges[:-1]),

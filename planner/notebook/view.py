@@ -25,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 
 from planner.cost import CostModel, group_seconds, simulate_step, step_lower_bound
+from planner.planfile.gain import KEYS, gain_text
 from planner.planfile.io import PlanFile
 from planner.planfile.schema import COLUMN_NAMES, PlanHeader, column_numpy
 from planner.planfile.stats import min_num_microbatches
@@ -72,6 +73,12 @@ def step_summary_row(header: PlanHeader, cost: CostModel, step: int,
                               cost.as_array(), need, pad_to) if len(seg) else 0.0
     row["tight_bound_s"] = tight
     row["time_over_tight_bound"] = row["simulated_s"] / tight if tight > 0 else 0.0
+    # The predicted gain per step (planfile/gain.py): the baseline's time over this step's;
+    # None where the plan does not record it (older plans, a baseline not scored or not able
+    # to run the step).
+    for name, key in KEYS.items():
+        per_step = (header.stats.get("baselines") or {}).get(name, {}).get("per_step")
+        row[key] = per_step[step] if per_step and step < len(per_step) else None
     for size in header.cp_sizes:
         row[f"groups_cp{size}"] = int((group_first & (k == size)).sum())
     # Rank-time per CP size: a group of k ranks busy t seconds uses k t rank-seconds, which is
@@ -125,6 +132,7 @@ class PlanView:
             "slot fill": f"{s['slot_fill']:.3f}",
             "time": f"{s['simulated_seconds']:.3f} s simulated, {ratio:.3f}x the lower bound "
                     f"[{h.cost_model.get('name')}]",
+            "gain": "; ".join(gain_text(s, p.cp)),
             "format": str(h.format_version),
         }
 

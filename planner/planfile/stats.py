@@ -15,6 +15,8 @@ Definitions (all over every step of every epoch):
   ``time_over_tight_bound`` = simulated / that sum, ``time_over_tight_bound_max`` the largest
   ratio of one step (what a user waits for beyond what any schedule needs, in total and at
   worst).
+- ``vs_static_cp``, ``vs_megatron`` and ``baselines``: the predicted gain (gain.py), from the
+  baselines' simulated seconds the solver scored on every step.
 - ``cp_size_groups`` counts groups that hold at least one real segment, per size (keys are
   strings so the header round-trips through JSON unchanged); ``filler_rows`` counts the rest.
 """
@@ -30,6 +32,8 @@ from numpy.typing import NDArray
 from planner.config import PlannerConfig
 from planner.cost import CostModel, simulate_step, step_lower_bound
 from planner.groups import MAX_SEGMENT_TOKENS, pad_multiple
+from planner.planfile.gain import GainAccumulator
+from planner.solver.step import baselines_not_scored
 
 
 def min_padded(tokens: NDArray[np.int64], sizes: tuple[int, ...], capacity: int, tp_eff: int,
@@ -91,13 +95,17 @@ class StatsAccumulator:
         self.real_padded = 0
         self.fillers = 0
         self.groups = {k: 0 for k in config.sizes}
+        self.gain: GainAccumulator | None = None
 
     def add(self, cols: dict[str, NDArray[Any]], seg: NDArray[np.int64],
-            tight_bound: float | None = None, simulated: float | None = None) -> None:
+            tight_bound: float | None = None, simulated: float | None = None,
+            baselines: tuple[float, float] | None = None) -> None:
         """One step: its 8 plan columns, its segments' lengths and its tight bound.
 
         ``simulated``: the step's ``cost.simulate_step`` when the caller has it already (the
-        solver scores its rows with it), so that it is not simulated twice.
+        solver scores its rows with it), so that it is not simulated twice. ``baselines``:
+        static CP's and Megatron's simulated seconds on the step (``StepAssignment``), given
+        for every step or none; the stats then hold the predicted gain.
         """
         config, cost = self.config, self.cost
         n = config.parallel.pool_size
@@ -108,6 +116,10 @@ class StatsAccumulator:
         t = simulated if simulated is not None else simulate_step(
             cost, n, mb, cols["rank_start"], cols["cp_size"], cols["padded_tokens"])
         self.sim += t
+        if baselines is not None:
+            if self.gain is None:
+                self.gain = GainAccumulator(baselines_not_scored(config), config.parallel.cp)
+            self.gain.add(t, *baselines)
         if tight_bound is not None:
             self.tight += tight_bound
             if tight_bound > 0:
@@ -160,6 +172,7 @@ class StatsAccumulator:
                if with_tight else {}),
             "cp_size_groups": {str(k): v for k, v in self.groups.items()},
             "filler_rows": self.fillers,
+            **(self.gain.result() if self.gain is not None else {}),
         }
 
 

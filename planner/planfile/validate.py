@@ -15,6 +15,7 @@ from numpy.typing import NDArray
 
 from planner.groups import LAYOUTS, pad_multiple, valid_cp_sizes
 from planner.planfile.coverage import Coverage
+from planner.planfile.gain import gain_errors
 from planner.planfile.schema import (
     COLUMN_NAMES,
     EVAL,
@@ -287,6 +288,8 @@ def _check_header(header: PlanHeader, err: _Errors) -> None:
         err.add(f"header: stats undrawn_samples lists {len(undrawn)} epochs, the plan has "
                 f"{len(header.epochs)}")
     listed += [("undrawn_samples", list(u)) for u in undrawn]
+    for msg in gain_errors(stats, expected):  # the predicted gain's shape (planfile/gain.py)
+        err.add(msg)
     for name, indices in listed:
         bad = [s for s in indices if not 0 <= s < num_samples]
         if bad:

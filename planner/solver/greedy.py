@@ -77,6 +77,10 @@ class StepAssignment:
     source: str
     """Which candidate the rows come from: ``dcp`` (our search), ``static-cp`` or
     ``megatron-greedy`` (candidates.py)."""
+    static_seconds: float
+    """Static CP's simulated seconds on this step (nan: not scored, inf: it cannot run it)."""
+    megatron_seconds: float
+    """Megatron's greedy's simulated seconds on this step (nan: not scored, inf: cannot)."""
     microbatch: NDArray[np.int32]
     rank_start: NDArray[np.int32]
     cp_size: NDArray[np.int32]
@@ -205,15 +209,18 @@ def assign_step(sample_index: NDArray[np.int64], token_offset: NDArray[np.int64]
         t.padded, t.order, best.item_level, item_group, g_level, g_block, num_groups,
         params.sizes, params.pool_size, best.num_mb, int(params.multiples[0]))
     bound = problem.tight_bound(min_microbatches(t, params))
-    rows, source, seconds = best_rows(
+    scored = best_rows(
         Rows(mb, start, k, sample, offset, ntok, padded), np.asarray(sample_index, np.int64),
         np.asarray(token_offset, np.int64), tokens, cost=params.cost,
         pool_size=params.pool_size, capacity=params.capacity, sizes=params.sizes,
         static_cp=params.static_cp, megatron=params.megatron, tp_eff=params.tp_eff,
         layout=params.layout, multiple=params.microbatch_multiple)
-    return StepAssignment(num_microbatches=rows.num_microbatches, simulated_seconds=seconds,
-                          predicted_seconds=best.seconds,
-                          bound_seconds=bound, source=source, microbatch=rows.microbatch,
+    rows = scored.rows
+    return StepAssignment(num_microbatches=rows.num_microbatches,
+                          simulated_seconds=scored.seconds, predicted_seconds=best.seconds,
+                          bound_seconds=bound, source=scored.source,
+                          static_seconds=scored.static_seconds,
+                          megatron_seconds=scored.megatron_seconds, microbatch=rows.microbatch,
                           rank_start=rows.rank_start, cp_size=rows.cp_size,
                           sample_index=rows.sample_index, token_offset=rows.token_offset,
                           num_tokens=rows.num_tokens, padded_tokens=rows.padded_tokens)

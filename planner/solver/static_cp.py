@@ -17,12 +17,14 @@ data_schedule.py), not from its code:
   groups of the last microbatch get a filler row (sample -1, the smallest padded length the
   layout allows), so every rank still belongs to exactly one group.
 
-The planner scores this packing as a candidate for every step (candidates.py); the bench's
-``static_cp_plan`` plans whole datasets with it (bench/baseline_static.py).
+The planner scores this packing as a candidate for every step (candidates.py), through
+``static_layout``, the same rules in one numba pass (a test checks it against the list version
+below, which the bench's ``static_cp_plan`` uses: bench/baseline_static.py).
 """
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 from numpy.typing import NDArray
 
@@ -84,3 +86,59 @@ def static_bins(padded: NDArray[np.int64], *, pool_size: int, cp: int, capacity:
     num_mb = -(-len(bins) // num_groups)
     num_mb = -(-num_mb // microbatch_multiple) * microbatch_multiple
     return bins, num_mb
+
+
+@numba.njit(cache=True)
+def static_layout(padded: NDArray[np.int64], pool_size: int, cp: int, capacity: int,
+                  microbatch_multiple: int) -> tuple[NDArray[np.int64], NDArray[np.int64],
+                                                     NDArray[np.int64], int]:
+    """``static_bins`` as plan rows, in one pass: (microbatch, rank_start, position, count).
+
+    Rows are in plan order (microbatch, group, packing order); position -1 is a filler row. The
+    first ``count`` entries of each array are used. Next-fit bins are runs of consecutive
+    positions, so a bin is (first, end) and Megatron's fix-up moves a bin's last position into
+    a new single-position bin (``round_bins_up``).
+    """
+    n = len(padded)
+    num_groups = pool_size // cp
+    first = np.empty(2 * n + 1, dtype=np.int64)
+    end = np.empty(2 * n + 1, dtype=np.int64)
+    num_bins = 0
+    used = 0
+    for i in range(n):
+        if num_bins == 0 or used + padded[i] > cp * capacity:
+            first[num_bins] = i
+            num_bins += 1
+            used = 0
+        end[num_bins - 1] = i + 1
+        used += padded[i]
+    original = num_bins
+    missing = (-num_bins) % (num_groups * microbatch_multiple)
+    b = original - 1
+    while missing > 0 and b >= 0:
+        if end[b] - first[b] > 1:
+            end[b] -= 1
+            first[num_bins] = end[b]
+            end[num_bins] = end[b] + 1
+            num_bins += 1
+            missing -= 1
+        else:
+            b -= 1
+    num_mb = -(-num_bins // num_groups)
+    num_mb = -(-num_mb // microbatch_multiple) * microbatch_multiple
+    size = n + num_mb * num_groups
+    mb = np.empty(size, dtype=np.int64)
+    start = np.empty(size, dtype=np.int64)
+    pos = np.empty(size, dtype=np.int64)
+    row = 0
+    for m in range(num_mb):
+        for j in range(num_groups):
+            b = m * num_groups + j
+            if b >= num_bins:  # a filler: every rank is in exactly one group
+                mb[row], start[row], pos[row] = m, j * cp, -1
+                row += 1
+                continue
+            for q in range(first[b], end[b]):
+                mb[row], start[row], pos[row] = m, j * cp, q
+                row += 1
+    return mb, start, pos, row

@@ -109,9 +109,7 @@ class PackingParams:
         sizes = np.asarray(config.sizes, dtype=np.int64)
         mults = np.array([pad_multiple(int(k), p.tp_eff, config.layout, config.pad_to_multiple)
                           for k in sizes], np.int64)
-        # The baseline candidates pad by their own rules (candidates.py); with an extra padding
-        # alignment their rows would break it, so they are not scored then.
-        baselines = s.baselines and config.pad_to_multiple == 1
+        off = baselines_not_scored(config)
         cpsat = s.cpsat_seconds
         if cpsat < 0:
             units = p.pool_size // int(sizes[0])
@@ -122,8 +120,8 @@ class PackingParams:
                    microbatch_tolerance=s.microbatch_tolerance, refine_gap=s.refine_gap,
                    cpsat_seconds=cpsat, cpsat_items=CPSAT_ITEMS[config.effort], seed=s.seed,
                    deltas=DELTAS.get(config.effort, ()),
-                   static_cp=p.cp if baselines and p.cp in config.sizes else 0,
-                   megatron=baselines and p.microbatch_multiple == 1, tp_eff=p.tp_eff,
+                   static_cp=0 if "static-cp" in off else p.cp,
+                   megatron="megatron-greedy" not in off, tp_eff=p.tp_eff,
                    layout=config.layout)
 
     def header(self) -> dict[str, Any]:
@@ -147,6 +145,27 @@ class PackingParams:
         """Names of the per-step candidates besides our search (candidates.py)."""
         return ([f"static-cp-{self.static_cp}"] if self.static_cp else []) + (
             ["megatron-greedy"] if self.megatron else [])
+
+
+def baselines_not_scored(config: PlannerConfig) -> dict[str, str]:
+    """Why a baseline candidate (candidates.py) is not scored for ``config``: name -> reason,
+    as a user reads it (the summary prints it in place of a gain); absent names are scored."""
+    p = config.parallel
+    if not config.solver.baselines:
+        reason = "baselines turned off (SolverConfig.baselines=False)"
+        return {"static-cp": reason, "megatron-greedy": reason}
+    if config.pad_to_multiple > 1:
+        # Their rows pad by their own rules, which an extra padding multiple would break.
+        reason = (f"--pad-to-multiple {config.pad_to_multiple}: the baselines pad by their own "
+                  "rules, so they are not scored")
+        return {"static-cp": reason, "megatron-greedy": reason}
+    out = {}
+    if p.cp not in config.sizes:
+        out["static-cp"] = (f"static CP {p.cp} (--cp) is not an allowed group size "
+                            f"{list(config.sizes)}")
+    if p.microbatch_multiple > 1:
+        out["megatron-greedy"] = "Megatron's greedy does not model VPP (--vpp > 1)"
+    return out
 
 
 def _ortools_version() -> str:

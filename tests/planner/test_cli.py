@@ -24,16 +24,35 @@ def _sha(p: Path) -> str:
 
 def test_plan_summary_validate_show(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "p.arrow"
-    assert main([str(SAMPLE), "-o", str(out), *BASE]) == 0
+    # cp 4: static CP 4 holds every segment, so both baselines have a number.
+    base = [*BASE[:2], "--cp", "4", *BASE[4:]]
+    assert main([str(SAMPLE), "-o", str(out), *base]) == 0
     text = capsys.readouterr().out
     for word in ("steps", "microbatches per step", "padding", "slot fill", "lower bound", "speed"):
         assert word in text
+    stats = read_plan(out).header.stats
+    # The predicted gain: a line per baseline in the summary and in show.
+    gain = [f"{stats['vs_static_cp']:.3f}x over static CP 4 (per step: min",
+            f"{stats['vs_megatron']:.3f}x over Megatron's greedy (per step: min"]
+    assert f"gain      {gain[0]}" in text
+    assert f"          {gain[1]}" in text
     assert main(["validate", str(out), str(SAMPLE)]) == 0
     assert "valid train plan (20 steps" in capsys.readouterr().out
     assert main(["show", str(out), "--steps", "0:3"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].split()[:3] == ["step", "microbatches", "groups"]
-    assert len(lines) == 5
+    assert lines[0].split()[8:10] == ["vs_static_cp", "vs_megatron"]
+    per_step = stats["baselines"]["static-cp"]["per_step"]
+    assert [float(x.split()[8]) for x in lines[1:4]] == per_step[:3]
+    assert lines[4].startswith("... 17 more steps")
+    assert [x.split(" (")[0] for x in lines[5:]] == [f"gain: {g.split(' (')[0]}" for g in gain]
+    assert main([str(SAMPLE), "-o", str(out), *base, "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["vs_static_cp"] == stats["vs_static_cp"] >= 1.0
+    assert printed["vs_megatron"] == stats["vs_megatron"] >= 1.0
+    assert printed["gain"]["static-cp"]["quantiles"] == stats["baselines"]["static-cp"][
+        "quantiles"]
+    assert "per_step" not in printed["gain"]["static-cp"]   # the plan holds those
 
 
 def test_same_inputs_give_byte_identical_plans(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,23 @@ def test_summary_sums_to_header_stats(tmp_path: Path, par: dict[str, object]) ->
                       stats["malleable_lower_bound_seconds"], rtol=1e-9)
     assert np.isclose(max(summary.column("time_over_tight_bound").to_pylist()),
                       stats["time_over_tight_bound_max"], rtol=1e-9)
+    # The per-step gain columns weight back to the header's totals (ratios rounded to 1e-4).
+    sim = np.asarray(summary.column("simulated_s"))
+    for name, key in (("static-cp", "vs_static_cp"), ("megatron-greedy", "vs_megatron")):
+        ratio = summary.column(key).to_pylist()
+        recorded = stats["baselines"][name]
+        if "not_scored" in recorded:  # VPP: Megatron is not scored; the column says nothing
+            assert stats[key] is None
+            assert set(ratio) == {None}
+            continue
+        assert ratio == recorded["per_step"]
+        ok = np.array([r is not None for r in ratio])
+        assert ok.sum() == len(ratio) - recorded["infeasible_steps"]
+        assert min(r for r in ratio if r is not None) >= 1.0
+        if stats[key] is None:  # a step static CP cannot run (a sample longer than cp x C)
+            assert recorded["infeasible_steps"] > 0
+            continue
+        assert np.isclose((np.asarray(ratio) * sim).sum() / sim.sum(), stats[key], rtol=1e-4)
 
 
 def test_repr_and_html_name_the_key_figures(tmp_path: Path) -> None:
@@ -45,6 +63,21 @@ def test_repr_and_html_name_the_key_figures(tmp_path: Path) -> None:
     assert page.startswith("<table>")
     assert "slot fill" in page
     assert "lower bound" in page
+    s = plan.header.stats
+    assert html.escape(f"{s['vs_megatron']:.3f}x over Megatron's greedy") in page
+
+
+def test_old_plans_say_the_gain_was_not_recorded(capsys: pytest.CaptureFixture[str]) -> None:
+    from planner.cli import main
+
+    golden = sorted((Path(__file__).resolve().parents[3] / "plans" / "golden").glob("*.arrow"))
+    view = read_plan(golden[0])
+    assert set(view.summary().column("vs_static_cp").to_pylist()) == {None}
+    assert "not recorded" in view._repr_html_()
+    assert main(["show", str(golden[0]), "--steps", "0:2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith("gain: not recorded")
+    assert out[1].split()[8:10] == ["-", "-"]     # vs_static_cp, vs_megatron of step 0
 
 
 def test_rank_time_and_token_shares_add_up(tmp_path: Path) -> None:
@@ -98,6 +131,11 @@ def test_plots_at_32_and_2000_steps(tmp_path: Path, num_samples: int) -> None:
     assert any(x.startswith("lower bound") for x in labels)
     assert any(x.startswith("microbatch 0") for x in labels)
     fig = view.plot_summary()
-    assert len(fig.axes) == 3
+    assert len(fig.axes) == 4
+    gain = fig.axes[1]
+    assert gain.get_title().startswith("predicted gain")
+    labels = [t.get_text() for t in gain.get_legend().get_texts()]
+    s = plan.header.stats
+    assert f"vs Megatron's greedy ({s['vs_megatron']:.3f}x" in " ".join(labels)
     fig.savefig(tmp_path / "summary.png")
     plt.close("all")
