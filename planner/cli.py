@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from planner.cliargs import (
+    ArgumentParser,
     HelpFormatter,
     add_json_arguments,
     add_version,
@@ -31,10 +32,12 @@ from planner.cliargs import (
     nonnegative_int,
     positive_int,
     refuse,
+    seed_int,
 )
 from planner.cliengine import add_engine_arguments, engine_settings
 from planner.cliguard import (
     Terminated,
+    check_outputs,
     dataset_items,
     default_output,
     input_files,
@@ -132,7 +135,7 @@ def _add_dataset_arguments(p: argparse.ArgumentParser, *, required: bool) -> Non
 
 
 def _plan_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=PROG, usage=USAGE, epilog=EPILOG, formatter_class=HelpFormatter,
         description="Plan dynamic context parallelism offline: per microbatch, a partition of "
         "the dp x cp rank pool into CP groups and the sequences each group packs.")
@@ -176,7 +179,7 @@ def _plan_parser() -> argparse.ArgumentParser:
                    help="real tokens per optimizer step (samples added in permutation order)")
     bat.add_argument("--drop-last", action="store_true",
                      help="drop each epoch's final partial global batch")
-    bat.add_argument("--seed", type=int, default=None,
+    bat.add_argument("--seed", type=seed_int, default=None,
                      help="seed of the per-epoch permutation (default 0)")
     bat.add_argument("--epochs", type=positive_int, default=None,
                      help="epochs to plan (default 1)")
@@ -211,6 +214,10 @@ def _plan_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _notice(message: str) -> None:
+    print(f"{PROG}: notice: {message}", file=sys.stderr)
+
+
 def cmd_plan(argv: list[str]) -> int:
     parser = _plan_parser()
     args = parser.parse_intermixed_args(argv)
@@ -228,7 +235,7 @@ def cmd_plan(argv: list[str]) -> int:
     engine = engine_settings(parser, args)  # before reading: Ray there if asked for
     from planner.cost import load_cost_model
     from planner.plan import PlanStream
-    from planner.planfile.io import check_output_path, write_plan_stream
+    from planner.planfile.io import write_plan_stream
     from planner.planfile.schema import PlanHeader
     from planner.progress import Progress
     from planner.sources.lengths import read_lengths
@@ -252,15 +259,16 @@ def cmd_plan(argv: list[str]) -> int:
         solver=SolverConfig(microbatch_tolerance=args.microbatch_tolerance))
     cost = load_cost_model(args.cost_model)
     out = Path(args.output) if args.output else default_output(items[0])
-    # Before reading anything: the output must not be an input, nor a file that is not a plan.
-    check_output_path(out, inputs=input_files(items, args.cost_model), overwrite=args.overwrite)
+    # Before reading anything: the outputs must not be inputs, nor files of another kind.
+    check_outputs(out, args.summary_json, input_files(items, args.cost_model),
+                  overwrite=args.overwrite)
     show = not (args.quiet or args.json)
     with Progress("reading", unit="file", enabled=show and len(items) > 1) as bar:
         table = read_lengths(items, skip_bad_records=args.skip_bad_records, field=args.field,
-                             progress=bar)
+                             progress=bar, notice=_notice)
     # Directories and globs expand to files only now: check those too.
-    check_output_path(out, inputs=input_files([f.path for f in table.files], ""),
-                      overwrite=args.overwrite)
+    check_outputs(out, args.summary_json, input_files([f.path for f in table.files], ""),
+                  overwrite=args.overwrite)
     timings = {"read": time.perf_counter() - t0}
     if args.fingerprint == "content":
         from planner.sources.content import with_content
@@ -294,7 +302,7 @@ def cmd_plan(argv: list[str]) -> int:
 
 
 def cmd_validate(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog=f"{PROG} validate", formatter_class=HelpFormatter,
+    p = ArgumentParser(prog=f"{PROG} validate", formatter_class=HelpFormatter,
                                 description="Check every invariant of a plan file; with its "
                                 "dataset, also coverage to the last token and the fingerprints.")
     p.add_argument("plan", help="plan file (.arrow)")
@@ -319,7 +327,7 @@ def cmd_validate(argv: list[str]) -> int:
                 print(f"{PROG} validate: {notice}", file=sys.stderr)
             try:
                 table = read_lengths(items, skip_bad_records=args.skip_bad_records,
-                                     field=field)
+                                     field=field, notice=_notice)
             except ValueError as e:
                 raise ValueError(field_hint(str(e), recorded, args.field, args.plan)) from None
             lengths = table.lengths

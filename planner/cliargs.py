@@ -13,18 +13,18 @@ never give a different plan than the short name: argparse cannot tell them apart
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import math
-import os
 import re
 import sys
-import tempfile
 from collections.abc import Callable, Mapping
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 __all__ = [
+    "ArgumentParser",
     "HelpFormatter",
     "add_json_arguments",
     "add_version",
@@ -38,6 +38,7 @@ __all__ = [
     "positive_int",
     "refuse",
     "resolve_steps",
+    "seed_int",
     "step_bounds",
     "step_range",
     "version_string",
@@ -61,6 +62,66 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         if isinstance(default, (list, tuple)):
             return f"{text} (default: {','.join(str(x) for x in default)})"
         return f"{text} (default: %(default)s)"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """Every command's parser: no abbreviations and unknown flags named.
+
+    argparse's default ``allow_abbrev=True`` takes any unique prefix for a flag, so ``--cp-size
+    2`` silently meant ``--cp-sizes 2`` (a valid, wrong plan). Here a flag is spelled in full;
+    an unknown one is an error naming it and the closest real flags.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    _argv: list[str] | None = None
+    _depth = 0
+
+    def _remember(self, args: Any) -> None:
+        # The whole command line, for error(): intermixed parsing calls parse_known_args again
+        # with parts of it, and parse_args reports unknown flags after the parse returned.
+        if self._depth == 0:
+            self._argv = list(sys.argv[1:] if args is None else args)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._remember(args)
+        self._depth += 1
+        try:
+            return super().parse_known_args(args, namespace)
+        finally:
+            self._depth -= 1
+
+    def parse_known_intermixed_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._remember(args)
+        self._depth += 1
+        try:
+            return super().parse_known_intermixed_args(args, namespace)
+        finally:
+            self._depth -= 1
+
+    def _unknown_flags(self) -> list[str]:
+        known = {o for a in self._actions for o in a.option_strings}
+        return [w.split("=", 1)[0] for w in self._argv or ()
+                if w.startswith("--") and len(w) > 2 and w.split("=", 1)[0] not in known]
+
+    def error(self, message: str) -> NoReturn:
+        unknown = self._unknown_flags()
+        if unknown and (message.startswith("unrecognized arguments")
+                        or message.startswith("the following arguments are required")):
+            # An unknown flag first: it is usually why a required one seems missing
+            # (--max-tokens 4096 for --max-tokens-per-rank 4096).
+            shown = [o for a in self._actions if a.help is not argparse.SUPPRESS
+                     for o in a.option_strings if o.startswith("--")]
+            hints = []
+            for flag in unknown:
+                close = difflib.get_close_matches(flag, shown, n=3, cutoff=0.6)
+                hints.append(f"{flag} (did you mean {' or '.join(close)}?)" if close else flag)
+            message = (f"unknown flag{'s' if len(unknown) > 1 else ''}: {', '.join(hints)} "
+                       f"(flags are spelled in full; see {self.prog} --help)"
+                       + ("; " + message if message.startswith("the following") else ""))
+        super().error(message)
 
 
 def version_string(prog: str) -> str:
@@ -99,6 +160,23 @@ positive_int = _int_type("a positive integer", 1)
 """argparse ``type`` for integers >= 1 (``--steps abc``: 'expected a positive integer')."""
 nonnegative_int = _int_type("an integer >= 0", 0)
 """argparse ``type`` for integers >= 0."""
+
+
+MAX_SEED = 2**64 - 1
+"""Seeds are 64-bit: the permutation keys (splitmix64) and torch's generators take 0..2^64-1;
+a larger one would alias a small seed (taken modulo 2^64)."""
+
+
+def seed_int(text: str) -> int:
+    """argparse ``type`` for a seed: an integer in 0..2^64-1."""
+    try:
+        value = int(text.strip().replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a seed (an integer), got {text!r}") from None
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected a seed in 0..2^64-1 "
+                                         f"(0..{MAX_SEED}), got {value}")
+    return value
 
 
 def int_at_least(low: int) -> Callable[[str], int]:
@@ -249,7 +327,9 @@ def emit_summary(summary: Mapping[str, Any], text: str, *, as_json: bool, json_p
                  quiet: bool = False) -> None:
     """Print ``text`` (or, with ``as_json``, the summary as JSON) and write ``json_path``.
 
-    The file is written to a temporary name beside it and renamed: a reader never sees half.
+    The file is written to a temporary name beside it and renamed: a reader never sees half
+    (``planner.fileguard.write_atomic``, which refuses a file that is not a summary; callers
+    check the path with ``check_output(kind="summary")`` before their work starts).
     """
     doc = json.dumps(_plain(summary), sort_keys=True, indent=None)
     if as_json:
@@ -257,12 +337,7 @@ def emit_summary(summary: Mapping[str, Any], text: str, *, as_json: bool, json_p
     elif not quiet and text:
         print(text, flush=True)
     if json_path:
-        path = Path(json_path)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or Path("."))
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(_plain(summary), sort_keys=True, indent=2) + "\n")
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        from planner.fileguard import write_atomic
+
+        write_atomic(json_path, json.dumps(_plain(summary), sort_keys=True, indent=2) + "\n",
+                     kind="summary")

@@ -1,12 +1,16 @@
 """``dcp-plan``'s inputs and outputs: the dataset items of the command line, the default output,
-the files a run reads (its output is refused when it is one of them), and SIGTERM as an
-exception (so the writer's cleanup runs as on Ctrl-C; schedulers and torchrun send SIGTERM)."""
+the files a run reads (its outputs are refused when they are one of them: ``check_outputs``),
+and SIGTERM as an exception (so the writer's cleanup runs as on Ctrl-C; schedulers and torchrun
+send SIGTERM)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 from pathlib import Path
+
+from planner.fileguard import check_output
 
 
 def input_files(items: list[str], cost_model: str) -> list[str]:
@@ -25,6 +29,19 @@ def input_files(items: list[str], cost_model: str) -> list[str]:
     if cost_model and Path(cost_model).suffix:
         files.append(cost_model)
     return files
+
+
+def check_outputs(plan: str | os.PathLike[str], summary_json: str, inputs: list[str], *,
+                  overwrite: bool) -> None:
+    """The plan (``-o``) and the ``--summary-json`` file, checked before any work
+    (``planner.fileguard.check_output``): neither may be an input, the other, a special file
+    or an existing file of another kind."""
+    from planner.planfile.io import check_output_path
+
+    check_output_path(plan, inputs=inputs, overwrite=overwrite)
+    if summary_json:
+        check_output(summary_json, kind="summary", inputs=inputs, others={"-o/--output": plan},
+                     flag="--summary-json")
 
 
 class Terminated(BaseException):

@@ -6,10 +6,10 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 from planner.cliargs import (
+    ArgumentParser,
     HelpFormatter,
     glue_negative_values,
     resolve_steps,
@@ -21,7 +21,7 @@ PROG = "dcp-plan"
 
 
 def cmd_show(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog=f"{PROG} show", formatter_class=HelpFormatter,
+    p = ArgumentParser(prog=f"{PROG} show", formatter_class=HelpFormatter,
                                 description="Per-step table of a plan (or one step's rows).")
     p.add_argument("plan", help="plan file (.arrow)")
     p.add_argument("--steps", type=step_range, default=None, metavar="A:B",

@@ -12,6 +12,8 @@ from planner.groups import LAYOUTS, ZIGZAG, check_cp_sizes, pad_multiple, valid_
 from planner.planfile.schema import EVAL, PLAN_KINDS
 
 LONG_SEQUENCE_POLICIES = ("error", "split", "truncate", "drop")
+MAX_SEED = 2**64 - 1
+"""Seeds are 64-bit (the permutation's splitmix64 keys)."""
 EFFORTS = ("fast", "balanced", "max")
 ENGINES = ("local", "ray")
 """Where step ranges are planned (solver/parallel.py): this machine's processes, or Ray tasks."""
@@ -174,6 +176,9 @@ class PlannerConfig:
             raise ValueError("global batch size and tokens must not be negative")
         if self.epochs < 1:
             raise ValueError(f"epochs must be >= 1, got {self.epochs}")
+        if not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
+            # splitmix64 keys take the seed modulo 2^64: a larger one would alias a small one.
+            raise ValueError(f"seed must be an integer in 0..2^64-1, got {self.seed!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         if self.long_sequences not in LONG_SEQUENCE_POLICIES:

@@ -34,6 +34,7 @@ import numba
 import numpy as np
 from numpy.typing import NDArray
 
+from planner.fileguard import check_input
 from planner.groups import pad_multiple
 
 PRESET_DIR = Path(__file__).with_name("presets")
@@ -149,6 +150,7 @@ def load_cost_model(name_or_path: str = "default") -> CostModel:
         if not path.is_file():
             names = sorted(p.stem for p in PRESET_DIR.glob("*.json"))
             raise ValueError(f"unknown cost model {name_or_path!r} (presets: {', '.join(names)})")
+    check_input(path, "a cost model")  # a FIFO would block the read
     try:
         d = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:

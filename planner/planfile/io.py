@@ -1,10 +1,11 @@
 """Plan file I/O: atomic, checksummed Arrow IPC writer and a verifying memory-mapped reader.
 
 The writer streams to ``.<name>.tmp-<pid>`` in the same directory, fsyncs it, renames it over
-``path`` and fsyncs the directory, so a crash, a signal or a validation error never leaves a
-partial plan under the final name. Temporary files of earlier runs that were killed (their pid is
-gone) are removed by the next write to the same path. An existing file that is not a plan is never
-replaced unless the caller says ``overwrite``.
+``path`` and fsyncs the directory (``planner.fileguard.atomic_output``), so a crash, a signal or
+a validation error never leaves a partial plan under the final name. Temporary files of earlier
+runs that were killed (their pid is gone) are removed by the next write to the same path. An
+existing file that is not a plan is never replaced unless the caller says ``overwrite``; an
+input, a directory or a special file never (``fileguard.check_output``).
 
 The reader (``PlanFile``) checks on open that the header's sha256 matches, that the column types
 are exactly the plan's, and that the file's two copies of the schema agree; ``step(i)`` checks
@@ -14,9 +15,7 @@ step i's sha256 the first time it is read (format version 2; see ``planner.check
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
-import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,16 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 from numpy.typing import NDArray
 
+from planner.fileguard import (
+    atomic_output,
+    check_input,
+    check_output,
+    fsync_dir,
+    is_plan_file,
+    os_error_text,
+    remove_stale_temps,
+    temp_path,
+)
 from planner.planfile.checksum import (
     HEADER_CHECKSUM_KEY,
     STEP_CHECKSUM_KEY,
@@ -44,83 +53,24 @@ from planner.planfile.schema import (
 )
 from planner.planfile.validate import validate
 
+__all__ = ["PlanFile", "check_output_path", "fsync_dir", "is_plan_file", "write_plan",
+           "write_plan_stream"]
+
 _ARROW_ERRORS = (pa.ArrowException, OSError, EOFError)
-
-
-def fsync_dir(directory: str | os.PathLike[str]) -> None:
-    """fsync a directory so that a rename inside it survives a power loss (POSIX)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return  # not supported here (e.g. Windows): the rename is still atomic
-    try:
-        os.fsync(fd)
-    except OSError as e:  # some filesystems refuse fsync on a directory
-        if e.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
-            raise
-    finally:
-        os.close(fd)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    return True
-
-
-def remove_stale_temps(path: Path) -> list[Path]:
-    """Remove ``.<name>.tmp-<pid>`` and ``.spill-<pid>`` files beside ``path`` whose writer
-    process is gone."""
-    pattern = re.compile(rf"^\.{re.escape(path.name)}\.(?:tmp|spill)-(\d+)$")
-    removed: list[Path] = []
-    if not path.parent.is_dir():
-        return removed
-    for p in path.parent.iterdir():
-        m = pattern.match(p.name)
-        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
-            with contextlib.suppress(FileNotFoundError):
-                p.unlink()
-                removed.append(p)
-    return removed
-
-
-def is_plan_file(path: str | os.PathLike[str]) -> bool:
-    """True if ``path`` is an Arrow IPC file with a ``dcp.plan`` header (checksums not checked)."""
-    try:
-        with pa.memory_map(os.fspath(path), "r") as src:
-            meta = ipc.open_file(src).schema.metadata or {}
-    except _ARROW_ERRORS:
-        return False
-    return HEADER_KEY in meta
 
 
 def check_output_path(path: str | os.PathLike[str], *, inputs: Iterable[str] = (),
                       overwrite: bool = False) -> Path:
-    """Refuse an output path that would destroy something the user owns.
+    """Refuse a plan output path that would destroy something the user owns
+    (``planner.fileguard.check_output`` with ``kind="plan"``).
 
     Raises:
         ValueError: ``path`` is (resolves to, or is a hard link of) one of ``inputs``; it is a
-            directory; or it exists, is not a plan, and ``overwrite`` is False.
+            directory, a FIFO, a device or a socket (also through a symlink); it exists, is not
+            a plan, and ``overwrite`` is False; or its directory cannot be written.
     """
-    out = Path(path)
-    for given in inputs:
-        src = Path(given)
-        same = out.resolve() == src.resolve()
-        if not same and out.exists() and src.exists():
-            same = os.path.samefile(out, src)
-        if same:
-            raise ValueError(f"{out}: the output is the input {given}; refusing to overwrite a "
-                             "dataset with a plan (choose another -o/--output)")
-    if out.is_dir():
-        raise ValueError(f"{out}: is a directory, not a plan file path")
-    if out.exists() and not overwrite and not is_plan_file(out):
-        raise ValueError(f"{out}: exists and is not a dcp plan; refusing to overwrite it "
-                         "(remove it, choose another output, or pass --overwrite)")
-    return out
+    return check_output(path, kind="plan", inputs=inputs, overwrite=overwrite,
+                        flag="-o/--output")
 
 
 def write_plan(path: str | os.PathLike[str], header: PlanHeader,
@@ -161,43 +111,26 @@ def _plan_sink(path: Path, header: PlanHeader, *, overwrite: bool
     """``put(batch, columns)`` writes a step into a temporary next to ``path`` (``columns``:
     the batch's as numpy, when the caller has them); a normal exit of the block fsyncs it and
     renames it over ``path``, any exception removes it (ValueError naming the path for I/O)."""
-    path = check_output_path(path, overwrite=overwrite)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"{path.parent}: cannot create the plan's directory: "
-                         f"{e.strerror or e}") from None
-    remove_stale_temps(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     schema = arrow_schema(header)
     plain = schema.remove_metadata()
-    try:
-        with pa.OSFile(str(tmp), "wb") as sink, ipc.new_file(sink, schema) as writer:
-            def put(batch: pa.RecordBatch, cols: dict[str, NDArray[Any]] | None) -> None:
-                if batch.schema.remove_metadata() != plain:
-                    raise ValueError(f"step batch schema {batch.schema} does not match the plan's")
-                digest = step_digest([cols[n] if cols is not None else column_numpy(batch, n)
-                                      for n in COLUMN_NAMES])
-                writer.write_batch(batch.replace_schema_metadata(schema.metadata),
-                                   custom_metadata={STEP_CHECKSUM_KEY: digest.encode()})
-            yield put
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except OSError as e:  # pa.ArrowIOError is an OSError: a full disk, a quota, EIO
-        tmp.unlink(missing_ok=True)
-        raise ValueError(f"{path}: cannot write the plan: {e.strerror or e}") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    # The writer closes (the file is complete) before atomic_output fsyncs and renames it.
+    with atomic_output(path, kind="plan", overwrite=overwrite) as tmp, \
+            pa.OSFile(str(tmp), "wb") as sink, ipc.new_file(sink, schema) as writer:
+        def put(batch: pa.RecordBatch, cols: dict[str, NDArray[Any]] | None) -> None:
+            if batch.schema.remove_metadata() != plain:
+                raise ValueError(f"step batch schema {batch.schema} does not match the plan's")
+            digest = step_digest([cols[n] if cols is not None else column_numpy(batch, n)
+                                  for n in COLUMN_NAMES])
+            writer.write_batch(batch.replace_schema_metadata(schema.metadata),
+                               custom_metadata={STEP_CHECKSUM_KEY: digest.encode()})
+        yield put
 
 
 class PlanFile:
     """A memory-mapped plan: header, step count and O(1) access to one step's record batch."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
+        self.path = check_input(path, "a plan")
         if not self.path.is_file():
             raise ValueError(f"{self.path}: no such plan file")
         src = str(self.path)
@@ -326,9 +259,13 @@ def write_plan_stream(path: str | os.PathLike[str], steps: Iterable[dict[str, ND
     unless the plan is valid.
     """
     path = check_output_path(path, overwrite=overwrite)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot create its directory {path.parent}: "
+                         f"{os_error_text(e)}") from None
     remove_stale_temps(path)
-    spill = path.with_name(f".{path.name}.spill-{os.getpid()}")
+    spill = temp_path(path, "spill")
     plain = pa.schema([pa.field(n, t, nullable=False) for n, t in COLUMNS])
     try:
         try:
@@ -336,7 +273,7 @@ def write_plan_stream(path: str | os.PathLike[str], steps: Iterable[dict[str, ND
                 for cols in steps:
                     writer.write_batch(step_batch(plain, cols))
         except OSError as e:  # a full disk while spilling: name the plan, leave nothing
-            raise ValueError(f"{path}: cannot write the plan: {e.strerror or e}") from None
+            raise ValueError(f"{path}: cannot write the plan: {os_error_text(e)}") from None
         final = header()
         reader = _Spill(spill)
         try:
@@ -347,5 +284,6 @@ def write_plan_stream(path: str | os.PathLike[str], steps: Iterable[dict[str, ND
         finally:
             reader.close()
     finally:
-        spill.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # never hides the error that got us here
+            spill.unlink()
     return path

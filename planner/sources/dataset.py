@@ -8,7 +8,8 @@ file's records are samples 0..n0-1, the second's follow, ...). The order, docume
    (``'shards/*.jsonl.zst'``, quoted so the shell leaves it) for the files it matches; either is
    sorted by path, by code point (zero-padded shard numbers sort as numbers do). A directory's
    Megatron pair ``x.bin``/``x.idx`` is one file, ``x``; hidden files and ``.dcpidx`` index caches
-   are not dataset files.
+   are not dataset files, nor are dcp plans (left out with a notice: a plan written into a
+   dataset's directory must not become data of the next plan).
 
 The same file twice is an error (it would be two samples of one record). Megatron's
 ``--data-path`` may interleave weights: ``0.3 A 0.7 B`` (Megatron-core's rule: if the first item
@@ -22,7 +23,7 @@ from __future__ import annotations
 import glob
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,6 +32,8 @@ __all__ = ["DataFile", "blend_counts", "expand_paths", "parse_data_path"]
 _GLOB_CHARS = frozenset("*?[")
 INDEX_CACHE_SUFFIXES = (".dcpidx", ".dcptok")
 """Files the runtime writes beside a dataset (index caches): never dataset files."""
+PLAN_SUFFIXES = (".arrow", ".feather", ".ipc")
+"""Names a dcp plan may have among dataset files (Arrow IPC): such a file is opened to tell."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -112,30 +115,61 @@ def _directory(path: str, suffixes: Sequence[str]) -> list[str]:
     return out
 
 
-def expand_paths(items: Sequence[str], suffixes: Sequence[str]) -> list[tuple[str, int]]:
+def _is_plan(path: str) -> bool:
+    """A dcp plan (an Arrow file with a ``dcp.plan`` header): an output, never a dataset."""
+    if not path.lower().endswith(PLAN_SUFFIXES):
+        return False
+    from planner.fileguard import is_plan_file  # pyarrow: only for Arrow-named files
+
+    return is_plan_file(path)
+
+
+def expand_paths(items: Sequence[str], suffixes: Sequence[str],
+                 notice: Callable[[str], None] | None = None) -> list[tuple[str, int]]:
     """Every file of the dataset, in order, each with the index of the item it came from.
+
+    A dcp plan is never a dataset file: given by name it is refused; found in a directory or
+    by a glob it is left out, and ``notice`` (if given) is told which.
 
     Args:
         items: files, directories, globs or Megatron prefixes, in the order given.
         suffixes: what a dataset file inside a directory ends with (lower case).
+        notice: called with one line per plan file left out of a directory or glob.
 
     Raises:
-        ValueError: an item matches nothing, or a file appears twice.
+        ValueError: an item matches nothing, a file appears twice, an item is a plan, or a
+            named file is not a regular file (a FIFO, a device, a symlink loop).
     """
+    from planner.fileguard import check_input
+
     out: list[tuple[str, int]] = []
     for g, item in enumerate(items):
         item = os.fspath(item)
+        expanded = True
         if os.path.isdir(item):
             files = _directory(item, suffixes)
-        elif os.path.exists(item) or os.path.isfile(f"{item}.idx") or not (
+        elif os.path.lexists(item) or os.path.isfile(f"{item}.idx") or not (
                 _GLOB_CHARS & set(item)):
-            files = [item]
+            check_input(item, "a dataset file")
+            if _is_plan(item):
+                raise ValueError(f"{item}: is a dcp plan, not a dataset; give the dataset the "
+                                 "plan was made from (plans are outputs: dcp-plan -o)")
+            files, expanded = [item], False
         else:
             matched = sorted(glob.glob(item))
             files = [f for f in matched if _is_dataset_file(Path(f), suffixes)]
             if not files:
                 raise ValueError(f"{item}: no dataset file matches this pattern"
                                  + (f" ({len(matched)} other files do)" if matched else ""))
+        plans = [f for f in files if _is_plan(f)] if expanded else []
+        if plans:
+            files = [f for f in files if f not in plans]
+            if notice is not None:
+                for f in plans:
+                    notice(f"{f}: a dcp plan in {item!r}, not a dataset file: left out")
+            if not files:
+                raise ValueError(f"{item}: holds only dcp plans ({', '.join(plans)}), no "
+                                 "dataset file")
         out.extend((f, g) for f in files)
     seen: dict[str, str] = {}
     for f, _ in out:

@@ -29,6 +29,8 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 from numpy.typing import NDArray
 
+from planner.fileguard import check_input
+
 DEFAULT_FIELDS = ("input_ids", "tokens", "length", "num_tokens")
 """Fields tried in this order when no field is named."""
 LIST_FIELDS = frozenset({"input_ids", "tokens"})
@@ -246,6 +248,8 @@ def read_megatron_index(
             float token dtype (token ids are integers).
     """
     idx = f"{os.fspath(prefix)}.idx"
+    check_input(idx, "a Megatron index")
+    check_input(f"{os.fspath(prefix)}.bin", "a Megatron token file")
     if not os.path.isfile(idx):
         raise ValueError(f"{idx}: no such Megatron index file")
     with open(idx, "rb") as f:

@@ -248,9 +248,14 @@ def _read_file(given: str, bad: BadRecords, field: str | None) -> tuple[str, NDA
     return fmt, lengths
 
 
+def _warn(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
+
+
 def read_lengths(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
                  skip_bad_records: bool = False, field: str | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> LengthTable:
+                 progress: Callable[[int, int], None] | None = None,
+                 notice: Callable[[str], None] | None = None) -> LengthTable:
     """Read the token count of every sample of a dataset, in file order.
 
     Args:
@@ -263,6 +268,8 @@ def read_lengths(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
             of ``input_ids``, ``tokens``, ``length``, ``num_tokens``. Ignored, with a warning, by
             formats without fields (Megatron, .txt).
         progress: called as ``progress(files_done, files_total)`` after each file.
+        notice: told of every dcp plan a directory or glob held (left out: a plan is not
+            data); default: a ``UserWarning``.
 
     Raises:
         ValueError: an unknown format, a missing or empty file, a bad record (naming file, line
@@ -272,7 +279,7 @@ def read_lengths(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
         os.fspath(p) for p in path]
     if not items:
         raise ValueError("no dataset given")
-    files = expand_paths(items, DATASET_SUFFIXES)
+    files = expand_paths(items, DATASET_SUFFIXES, notice=notice or _warn)
     parts: list[NDArray[np.int64]] = []
     skipped: list[NDArray[np.int64]] = []
     infos: list[DataFile] = []

@@ -46,7 +46,6 @@ and the residuals in the JSON say how far each sample is from the fit.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -56,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from planner.cliargs import (
+    ArgumentParser,
     HelpFormatter,
     add_json_arguments,
     add_version,
@@ -65,7 +65,9 @@ from planner.cliargs import (
     nonnegative_int,
     positive_float,
     positive_int,
+    seed_int,
 )
+from planner.fileguard import check_output
 from runtime.calibrate.fit import format_table
 from runtime.calibrate.run import CalibrateConfig, calibrate, to_json, write_json
 from runtime.calibrate.timing import DTYPES
@@ -93,7 +95,7 @@ Report = tuple[bool, str]
 def parse_args(argv: Sequence[str] | None = None
                ) -> tuple[CalibrateConfig, GPTConfig, int, Report]:
     """Parse ``dcp-calibrate``'s flags into (CalibrateConfig, GPTConfig, nproc, report)."""
-    p = argparse.ArgumentParser(prog="dcp-calibrate", description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(prog="dcp-calibrate", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
     add_version(p)
     p.add_argument("--output", "-o", required=True, help="cost-model JSON file to write")
@@ -117,7 +119,7 @@ def parse_args(argv: Sequence[str] | None = None
                    help="untimed runs per configuration")
     p.add_argument("--repeats", type=positive_int, default=7, help="timed runs per configuration")
     p.add_argument("--quick", action="store_true", help="small grid, 1 warm-up, 3 repeats")
-    p.add_argument("--seed", type=int, default=0, help="seed of weights and tokens")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of weights and tokens")
     add_json_arguments(p)
     add_model_arguments(p)
     a = p.parse_args(argv)
@@ -182,6 +184,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``dcp-calibrate``; returns the process exit status."""
     cfg, model_config, nproc, report = parse_args(argv)
     try:
+        # Before measuring: the outputs must be writable and replace only their own kind.
+        check_output(cfg.output, kind="cost-model", flag="-o/--output")
+        if report[1]:
+            check_output(report[1], kind="summary", others={"-o/--output": cfg.output},
+                         flag="--summary-json")
         if nproc > 1 and "WORLD_SIZE" not in os.environ:
             from torch.multiprocessing.spawn import start_processes
 

@@ -5,10 +5,8 @@ grids of ``runtime.calibrate.timing`` on this world, fit the cost model, describ
 from __future__ import annotations
 
 import json
-import os
 import platform
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from importlib import metadata
@@ -18,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from planner.fileguard import write_atomic
 from planner.groups import ZIGZAG, valid_cp_sizes
 from runtime.calibrate.fit import Fit, fit_cost_model
 from runtime.calibrate.timing import (
@@ -242,11 +241,6 @@ def to_json(result: Calibration) -> dict[str, Any]:
 
 
 def write_json(path: str, data: dict[str, Any]) -> None:
-    """Write atomically (a temporary file in the same folder, then rename)."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, target)
+    """Write atomically (``planner.fileguard.write_atomic``: a temporary in the same folder,
+    then rename; only over a JSON document, never over an input or a special file)."""
+    write_atomic(path, json.dumps(data, indent=2) + "\n", kind="cost-model")

@@ -27,18 +27,25 @@ from collections.abc import Sequence
 import torch
 
 from planner.cliargs import (
+    ArgumentParser,
     HelpFormatter,
     add_json_arguments,
     add_version,
     flag_message,
     nonnegative_int,
     refuse,
+    seed_int,
 )
 from planner.sources.dataset import parse_data_path
 from planner.sources.fieldname import override_notice
 from runtime.adapters import FRAMEWORKS, load_launcher
 from runtime.train.backends import ATTENTIONS
-from runtime.train.common import DTYPES, TrainConfig, process_group, require_one_process
+from runtime.train.common import (
+    DTYPES,
+    TrainConfig,
+    process_group,
+    require_one_process,
+)
 from runtime.train.guards import Terminated, describe_dist_error, raise_terminated
 from runtime.train.model import (
     MODEL_FLAGS,
@@ -47,6 +54,7 @@ from runtime.train.model import (
     model_config_from_args,
 )
 from runtime.train.oracle import train_reference
+from runtime.train.preflight import check_outputs, require_training_plan
 from runtime.train.trainer import Trainer
 
 TRAIN_FLAGS = {**MODEL_FLAGS, "save_every": "--save-every", "steps": "--steps",
@@ -67,7 +75,7 @@ REFUSED = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dcp-train", description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(prog="dcp-train", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
     add_version(p)
     p.add_argument("--plan", required=True, help="plan file (.arrow) made by dcp-plan")
@@ -86,7 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", "--train-iters", dest="steps", type=nonnegative_int, default=0,
                    help="absolute step to stop before (0: all steps of the plan)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to train")
-    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the initial weights")
     p.add_argument("--log-jsonl", default="", help="rank 0 appends one JSON line per step here")
     p.add_argument("--reference", action="store_true",
                    help="single-process oracle: every sequence alone, no CP, no packing")
@@ -201,6 +209,14 @@ def _field_notices(cfg: TrainConfig) -> None:
             print(f"dcp-train: {notice}", file=sys.stderr)
 
 
+def _require_training_plan(plan: str) -> None:
+    """An evaluation plan given as ``--plan`` is refused (``common.require_training_plan``)."""
+    from planner.planfile.io import PlanFile
+
+    with PlanFile(plan) as f:
+        require_training_plan(f.header.kind, plan)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``dcp-train``; returns the process exit status."""
     cfg, model_config, reference, framework = parse_args(argv)
@@ -208,6 +224,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.manual_seed(cfg.seed)
     previous = signal.signal(signal.SIGTERM, raise_terminated)
     try:
+        # Before any work, on every rank and for every engine: the outputs are safe to write,
+        # and the plan is one to train.
+        check_outputs(cfg)
+        _require_training_plan(cfg.plan)
         if framework != "native":
             launch = load_launcher(framework)
             # An adapter opts in to evaluation (module flag SUPPORTS_EVAL, set once its launch

@@ -15,13 +15,13 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import IO, Any
 
 import torch
 import torch.distributed as dist
 
 from planner.cliargs import emit_summary
+from planner.fileguard import open_log
 from planner.progress import Progress
 from runtime.data.plan_reader import PlanReader
 from runtime.train import checkpoint
@@ -234,8 +234,8 @@ class StepLogger:
         self.bar = Progress("training", unit="step", enabled=enabled and cfg.progress
                             and not cfg.quiet)
         if enabled and cfg.log_jsonl:
-            Path(cfg.log_jsonl).parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(cfg.log_jsonl, "a")  # noqa: SIM115 - closed in close()
+            # Appends only to an empty file or a log of this tool (planner.fileguard).
+            self.file = open_log(cfg.log_jsonl)
 
     def begin(self, num_steps: int) -> None:
         """The run will log ``num_steps`` steps (sizes the progress bar)."""

@@ -185,7 +185,9 @@ def test_missing_or_wrong_field_is_a_clear_error_and_nothing_is_overwritten(
     ids_only.write_text("".join(json.dumps({"ids": t}) + "\n" for t in _seqs(1)))
     old = _old_plan(tmp_path, ids_only)
     log, ckpt = tmp_path / "mine.jsonl", tmp_path / "ckpt"
-    log.write_text("my own log\n")
+    # An earlier run's log (a file that is not a log would be refused before anything else).
+    earlier = '{"step": 0, "loss": 4.1, "microbatches": 1}\n'
+    log.write_text(earlier)
     ckpt.mkdir()
     (ckpt / "keep").write_text("mine")
     common = [*TRAIN, "--dataset", str(ids_only), "--log-jsonl", str(log), "--save", str(ckpt)]
@@ -201,7 +203,7 @@ def test_missing_or_wrong_field_is_a_clear_error_and_nothing_is_overwritten(
                             timeout=240)
     assert f"{ids_only}:1: no 'tokens' field (or it is null)" in wrong[0]
     assert "records no --field" not in wrong[0]
-    assert log.read_text() == "my own log\n"
+    assert log.read_text() == earlier
     assert sorted(p.name for p in ckpt.iterdir()) == ["keep"]
     # With the field it replays (the same flag a plan made today no longer needs).
     assert train_main(["--plan", str(old), *TRAIN, "--dataset", str(ids_only), "--reference",
