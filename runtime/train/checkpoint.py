@@ -5,7 +5,8 @@ Layout (``DIR`` is what ``--save``/``--resume`` name)::
     DIR/latest                   name of the newest complete checkpoint, replaced atomically
     DIR/step-00000012/           one checkpoint: training continues at step 12
         state.pt                 model and optimizer state dicts, next step, ``meta``
-        rng-<rank>.pt            that rank's torch (CPU and CUDA) and numpy RNG states
+        rng-<rank>.pt            that rank's torch (CPU and CUDA) and numpy RNG states, as
+                                 tensors and plain numbers (``rngstate``)
         manifest.json            size and sha256 of every file above; written last
 
 A save is one unit: every file goes into ``DIR/.step-N.tmp`` and is fsynced, rank 0 writes the
@@ -19,6 +20,18 @@ path, instead of leaving the others waiting in a barrier.
 Parameters and optimizer states are replicated on every pool rank, so rank 0 alone writes
 ``state.pt``; every rank writes its own RNG file because RNG streams are per process. Resuming
 with the same plan reproduces the losses of an uninterrupted run bit for bit on CPU.
+
+A checkpoint is data: every file loads with ``torch.load(weights_only=True)`` (tensors, dicts,
+lists, numbers, strings; no pickled callable is ever run), and every key ``load`` uses is checked
+with a message naming the file and the key. Format 3 stores the numpy RNG state as a tensor and
+plain numbers; format 2 wrote it as a numpy array, which loads through the same restricted
+unpickler with numpy's array reconstruction alone allowed (``rngstate.load_rng``). Format 1
+(``DIR/state.pt``, no manifest) loads too, unverified.
+
+``check_save_target`` runs before the first step (every engine calls it): a ``--save`` that
+is a file, cannot be written, or holds an entry the run would replace that is not one of our
+checkpoints (a user's own ``DIR/step-00000003/``) is refused then, not after the training; and
+nothing that is not ours is ever deleted (``_install`` refuses instead).
 """
 
 from __future__ import annotations
@@ -27,24 +40,40 @@ import hashlib
 import io
 import json
 import os
+import pickle
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from planner.planfile.io import fsync_dir
+from planner.fileguard import fsync_dir
+from runtime.train.rngstate import load_rng, rng_state, set_rng_state
+from runtime.train.savetarget import (
+    LATEST_FILE,
+    MANIFEST_FILE,
+    STATE_FILE,
+    STEP_DIR,
+    agree,
+    check_save_target,
+    is_checkpoint_dir,
+    native_saves,
+    remove_leftovers,
+    step_dir_name,
+)
 
-STATE_FILE = "state.pt"
-MANIFEST_FILE = "manifest.json"
-LATEST_FILE = "latest"
-FORMAT = 2
-"""2: step directories with a manifest. 1 (``DIR/state.pt`` without a manifest) still loads."""
+__all__ = ["FORMAT", "LATEST_FILE", "MANIFEST_FILE", "STATE_FILE", "STEP_DIR", "Resumed",
+           "check_save_target", "config_meta", "is_checkpoint_dir", "load", "native_saves",
+           "resolve", "save", "step_dir_name", "verify"]
 
-
+FORMAT = 3
+"""3: RNG files hold tensors and numbers only. 2 (numpy RNG state as an array) and 1
+(``DIR/state.pt`` without a manifest) still load."""
+FORMATS = (1, 2, 3)
+STATE_KEYS = ("format", "model", "optimizer", "next_step", "meta")
+"""What ``state.pt`` must hold (each checked, by name, on load)."""
 @dataclass(frozen=True, slots=True)
 class Resumed:
     """What :func:`load` restored: the next step to run and the saved metadata."""
@@ -53,10 +82,6 @@ class Resumed:
     meta: dict[str, Any]
     directory: Path
     """The checkpoint directory that was loaded (``DIR/step-N``)."""
-
-
-def step_dir_name(next_step: int) -> str:
-    return f"step-{next_step:08d}"
 
 
 def _sha256(path: Path) -> str:
@@ -78,39 +103,6 @@ def _write_synced(path: Path, data: bytes | None = None, obj: object = None) -> 
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _agree(ok: bool, group: dist.ProcessGroup | None) -> bool:
-    """True on every rank iff ``ok`` on every rank (a barrier that carries a verdict)."""
-    if not dist.is_initialized():
-        return ok
-    device = torch.device("cpu")
-    if dist.get_backend(group) == "nccl":  # NCCL reduces device tensors only
-        device = torch.device("cuda", torch.cuda.current_device())
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
-
-
-def _remove_leftovers(root: Path) -> None:
-    """Staging or set-aside directories of saves that were killed (only rank 0 calls this)."""
-    for p in root.iterdir():
-        if p.name.startswith(".step-") and p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
 
 
 def save(directory: str | os.PathLike[str], *, model: torch.nn.Module,
@@ -142,18 +134,18 @@ def save(directory: str | os.PathLike[str], *, model: torch.nn.Module,
     if rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
-            _remove_leftovers(root)
+            remove_leftovers(root)
             staging.mkdir()
         except OSError as e:
             error = f"{staging}: cannot create the checkpoint directory: {e.strerror or e}"
-    if not _agree(not error, group):
+    if not agree(not error, group):
         raise ValueError(error or f"{staging}: rank 0 could not create the checkpoint directory")
     rng_path = staging / f"rng-{rank}.pt"
     try:
-        _write_synced(rng_path, obj=_rng_state())
+        _write_synced(rng_path, obj=rng_state())
     except OSError as e:
         error = f"{rng_path}: cannot write: {e.strerror or e}"
-    if not _agree(not error, group):
+    if not agree(not error, group):
         _cleanup(rank, staging)
         raise ValueError(error or f"{staging}: another rank failed to write its RNG file")
     if rank == 0:
@@ -170,9 +162,10 @@ def save(directory: str | os.PathLike[str], *, model: torch.nn.Module,
                           data=json.dumps(manifest, indent=1, sort_keys=True).encode())
             fsync_dir(staging)
             _install(root, staging, final)
-        except OSError as e:
-            error = f"{root}: cannot complete checkpoint {name}: {e.strerror or e}"
-    ok = _agree(not error, group)
+        except (OSError, ValueError) as e:
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            error = f"{root}: cannot complete checkpoint {name}: {reason}"
+    ok = agree(not error, group)
     if not ok:
         _cleanup(rank, staging)
         raise ValueError(error or f"{root}: rank 0 failed to complete checkpoint {name}")
@@ -182,7 +175,11 @@ def save(directory: str | os.PathLike[str], *, model: torch.nn.Module,
 def _install(root: Path, staging: Path, final: Path) -> None:
     """Rename the staged checkpoint into place, then move ``latest`` to it (rank 0)."""
     aside = root / f".{final.name}.old"
-    if final.exists():  # the same step saved again: set the old copy aside, then drop it
+    if final.exists() or final.is_symlink():
+        # The same step saved again: set the old copy aside, then drop it. Only ours: a user's
+        # directory of that name is refused (check_save_target refused it before training).
+        if not is_checkpoint_dir(final):
+            raise ValueError(f"{final}: exists and is not a checkpoint; refusing to replace it")
         os.replace(final, aside)
     os.replace(staging, final)
     fsync_dir(root)
@@ -248,11 +245,38 @@ def verify(directory: Path, rank: int) -> dict[str, Any] | None:
 
 
 def _torch_load(path: Path) -> Any:
+    """``torch.load(weights_only=True)``: tensors, containers and numbers; a pickled callable
+    (a crafted file) is refused by torch's restricted unpickler, never run."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - a damaged file raises anything from zip to pickle
+        first = str(e).splitlines()[0] if str(e) else ""
+        if isinstance(e, pickle.UnpicklingError) and "Weights only" in first:
+            raise ValueError(f"{path}: holds objects other than tensors and plain data (a "
+                             "checkpoint is data; refusing to unpickle code)") from None
         raise ValueError(f"{path}: unreadable checkpoint file ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
+                         f"{first})") from None
+
+
+def _state(path: Path) -> dict[str, Any]:
+    """``state.pt``, with every key ``load`` uses present and of its type (named if not)."""
+    state = _torch_load(path)
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: not a checkpoint state (holds a {type(state).__name__}, "
+                         "not a dict)")
+    if state.get("format") not in FORMATS:
+        raise ValueError(f"{path}: checkpoint format {state.get('format')!r}, expected one "
+                         f"of {', '.join(map(str, FORMATS))}")
+    types = {"model": dict, "optimizer": dict, "next_step": int, "meta": dict}
+    for key in STATE_KEYS[1:]:
+        if key not in state:
+            raise ValueError(f"{path}: checkpoint state has no {key!r}")
+        if not isinstance(state[key], types[key]) or isinstance(state[key], bool):
+            raise ValueError(f"{path}: checkpoint {key!r} is a {type(state[key]).__name__}, "
+                             f"expected a {types[key].__name__}")
+    if state["next_step"] < 0:
+        raise ValueError(f"{path}: checkpoint next_step {state['next_step']} is negative")
+    return state
 
 
 def load(directory: str | os.PathLike[str], *, model: torch.nn.Module,
@@ -261,8 +285,9 @@ def load(directory: str | os.PathLike[str], *, model: torch.nn.Module,
 
     Raises:
         ValueError: no checkpoint; a missing, truncated or damaged file (named); an unknown
-            format; or metadata that differs from ``expect_meta`` (another model shape or plan),
-            naming the key.
+            format; a file holding anything but tensors and plain data; a missing key; or
+            metadata that differs from ``expect_meta`` (another model shape or plan), naming
+            the key.
     """
     path = resolve(directory)
     verify(path, rank)
@@ -270,19 +295,24 @@ def load(directory: str | os.PathLike[str], *, model: torch.nn.Module,
     # Load on the CPU: load_state_dict moves every tensor to its parameter's device, except
     # AdamW's "step" counters, which must stay on the CPU (on the GPU each step would read them
     # back with .item(): a host-device sync per parameter per step).
-    state = _torch_load(state_path)
-    if not isinstance(state, dict) or state.get("format") not in (1, FORMAT):
-        got = state.get("format") if isinstance(state, dict) else type(state).__name__
-        raise ValueError(f"{state_path}: checkpoint format {got!r}, expected 1 or {FORMAT}")
+    state = _state(state_path)
     for key, want in expect_meta.items():
-        got = state["meta"].get(key)
+        if key not in state["meta"]:
+            raise ValueError(f"{state_path}: checkpoint meta has no {key!r} (this run's is "
+                             f"{want!r})")
+        got = state["meta"][key]
         if got != want:
             raise ValueError(f"{state_path}: checkpoint has {key}={got!r}, this run {want!r}")
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{state_path}: the model or optimizer state does not fit this "
+                         f"run's ({first})") from None
     rng_path = path / f"rng-{rank}.pt"
     if rng_path.is_file():
-        _set_rng_state(_torch_load(rng_path))
+        set_rng_state(load_rng(rng_path, int(state["format"])))
     return Resumed(next_step=int(state["next_step"]), meta=dict(state["meta"]), directory=path)
 
 

@@ -261,7 +261,10 @@ def check_token_ids(tokens: Tensor, vocab_size: int, where: Callable[[], str]) -
     if tokens.numel() == 0:
         return
     low, high = int(tokens.min()), int(tokens.max())
-    if low < 0 or high >= vocab_size:
-        bad = high if high >= vocab_size else low
-        raise ValueError(f"{where()}: token id {bad} is outside the model's vocabulary "
+    if low < 0:
+        # No vocabulary holds a negative id: the data is damaged or not token ids.
+        raise ValueError(f"{where()}: token id {low} is negative; token ids are >= 0 (the "
+                         "dataset is damaged, or its field does not hold token ids)")
+    if high >= vocab_size:
+        raise ValueError(f"{where()}: token id {high} is outside the model's vocabulary "
                          f"[0, {vocab_size}); set --vocab-size above the dataset's largest id")

@@ -41,6 +41,7 @@ from runtime.train.common import (
 )
 from runtime.train.guards import nonfinite_ok
 from runtime.train.model import GPT, GPTConfig, check_token_ids, sequence_attention
+from runtime.train.preflight import check_resume_step, require_training_plan, run_inputs
 
 
 def sequences_of_step(reader: PlanReader, source: TokenSource, step: int, vocab_size: int = 0
@@ -153,6 +154,7 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
     """The oracle: every sequence alone, full causal attention, loss = sum / count per step."""
     device = resolve_device(cfg)
     reader = PlanReader(cfg.plan)
+    require_training_plan(reader.header.kind, cfg.plan)
     source = open_plan_source(reader, cfg.dataset_paths, field=cfg.field)
     eval_reader = eval_source = None
     if cfg.eval_plan:
@@ -168,6 +170,11 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
     if cfg.resume:
         start = checkpoint.load(cfg.resume, model=model, optimizer=optimizer, rank=0,
                                 expect_meta=meta).next_step
+        check_resume_step(cfg, start, reader.num_steps)
+    if cfg.save:
+        stop = step_range(cfg, start, reader.num_steps).stop
+        checkpoint.check_save_target(cfg.save, 0, writes=checkpoint.native_saves(
+            start, stop, cfg.save_every), inputs=run_inputs(cfg))
     logger = StepLogger(cfg, enabled=True)
     result = TrainResult()
     try:

@@ -77,6 +77,7 @@ from runtime.train.evaluate import Evaluator
 from runtime.train.guards import nonfinite_ok
 from runtime.train.loss import per_token_loss
 from runtime.train.model import GPTConfig, check_token_ids
+from runtime.train.preflight import check_resume_step, require_training_plan, run_inputs
 
 
 class Trainer:
@@ -105,6 +106,7 @@ class Trainer:
         self.reader = reader
         self.source = source
         header = self.reader.header
+        require_training_plan(self.reader.header.kind, cfg.plan)
         self.topology = Topology.from_header(header.parallel, rank=dist.get_rank(),
                                              world_size=dist.get_world_size())
         self.reader.check_job(self.topology)
@@ -140,6 +142,14 @@ class Trainer:
                                       rank=self.rank,
                                       expect_meta=checkpoint_meta(model_config, self.reader))
             self.start = resumed.next_step
+            check_resume_step(cfg, self.start, self.reader.num_steps, notice=self.rank == 0)
+        if cfg.save:
+            # Before the first step: a save that would fail, or replace what is not ours.
+            stop = step_range(cfg, self.start, self.reader.num_steps).stop
+            checkpoint.check_save_target(
+                cfg.save, self.rank, writes=checkpoint.native_saves(self.start, stop,
+                                                                    cfg.save_every),
+                inputs=run_inputs(cfg))
 
     def _where(self, step: int, micro: Microbatch) -> str:
         samples = sorted(set(micro.rows.sample_index.tolist()) - {-1})

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from runtime.adapters.torchtitan.data import PlanDataLoader, PlanTokenizer
@@ -38,8 +39,10 @@ from runtime.adapters.torchtitan.titan import (
 from runtime.adapters.torchtitan.trainer import PlanMetrics, PlanTrainer
 from runtime.adapters.torchtitan.validate import PlanValidator
 from runtime.data.plan_reader import PlanReader
+from runtime.train.checkpoint import check_save_target
 from runtime.train.common import TrainConfig
 from runtime.train.model import GPTConfig
+from runtime.train.preflight import check_resume_step, run_inputs
 
 ADAMW_BETAS = (0.9, 0.95)
 ADAMW_EPS = 1e-8
@@ -56,6 +59,47 @@ def latest_checkpoint(folder: str) -> int:
     steps = [int(m.group(1)) for p in Path(folder).glob("step-*")
              if (m := _STEP_DIR.search(p.name)) and (p / ".metadata").is_file()]
     return max(steps, default=-1)
+
+
+_DCP_FILE = re.compile(r"^(?:\.metadata(?:\.tmp)?|__\d+_\d+\.distcp)$")
+
+
+def is_titan_checkpoint(p: Path) -> bool:
+    """A directory torchtitan's checkpointer (torch.distributed.checkpoint) wrote, complete or
+    killed midway: nothing but ``.metadata`` and ``__R_I.distcp`` files."""
+    try:
+        return p.is_dir() and not p.is_symlink() and all(
+            _DCP_FILE.match(q.name) for q in p.iterdir())
+    except OSError:
+        return False
+
+
+def titan_saves(start: int, stop: int, interval: int) -> Callable[[str], bool]:
+    """The ``step-N`` names torchtitan's checkpointer writes in a run of steps [start, stop)
+    (every ``interval`` steps and after the last; N counts completed steps)."""
+
+    def writes(name: str) -> bool:
+        m = _STEP_DIR.fullmatch(name)
+        n = int(m.group(1)) if m else -1
+        return start < n <= stop and (n == stop or n % interval == 0)
+
+    return writes
+
+
+def check_titan_start(cfg: TrainConfig, rank: int) -> None:
+    """Before the first step (collective): a ``--resume`` that ends past this run is refused,
+    and ``--save`` through ``checkpoint.check_save_target`` with torchtitan's layout."""
+    if not cfg.save and not cfg.resume:
+        return
+    with PlanReader(cfg.plan) as reader:
+        num_steps = reader.num_steps
+    start = max(latest_checkpoint(cfg.resume), 0) if cfg.resume else 0
+    if cfg.resume:  # at the run's end: a notice (torchtitan's loop then runs no step)
+        check_resume_step(cfg, start, num_steps, notice=rank == 0)
+    if cfg.save:
+        stop = min(cfg.steps, num_steps) if cfg.steps else num_steps
+        check_save_target(cfg.save, rank, writes=titan_saves(start, stop, cfg.save_every or stop),
+                          is_ours=is_titan_checkpoint, inputs=run_inputs(cfg))
 
 
 def checkpoint_config(cfg: TrainConfig) -> CheckpointManager.Config:

@@ -7,7 +7,9 @@ uses it. ``--reference`` runs ``oracle.train_reference`` in this one process ins
 
 from __future__ import annotations
 
-from runtime.adapters.torchtitan.config import trainer_config
+import torch.distributed as dist
+
+from runtime.adapters.torchtitan.config import check_titan_start, trainer_config
 from runtime.adapters.torchtitan.oracle import train_reference
 from runtime.adapters.torchtitan.titan import DEVICE_TYPE
 from runtime.adapters.torchtitan.trainer import PlanTrainer
@@ -23,6 +25,7 @@ def build_trainer(cfg: TrainConfig, model_config: GPTConfig) -> PlanTrainer:
     if cfg.device != DEVICE_TYPE:
         raise ValueError(f"--device {cfg.device}: torchtitan runs on {DEVICE_TYPE} here (it "
                          "takes the accelerator whenever one is present)")
+    check_titan_start(cfg, dist.get_rank())
     return PlanTrainer(trainer_config(cfg, model_config))
 
 

@@ -172,6 +172,10 @@ def test_rank0_writes_one_json_line_per_step_and_evaluation(
 def test_resume_gives_the_uninterrupted_losses(world: tuple[Path, dict[str, Any]]) -> None:
     tmp, results = world
     assert (tmp / "ckpt" / "step-2" / ".metadata").is_file()
+    from runtime.adapters.torchtitan.config import is_titan_checkpoint
+
+    # What --save's start-up check recognises as torchtitan's own (everything in it is DCP's).
+    assert is_titan_checkpoint(tmp / "ckpt" / "step-2")
     full, saved, resumed = results["full"], results["save"], results["resume"]
     assert [g.step for g in saved["logs"]] == [0, 1]
     assert [g.step for g in resumed["logs"]] == [2]
