@@ -4,6 +4,7 @@
     dcp-plan DATASET... --eval --dp D [--cp C] --max-tokens-per-rank CAP --global-batch-size B
     dcp-plan validate PLAN [DATASET...]
     dcp-plan show PLAN [--steps A:B | --step I]
+    dcp-plan compare DATASET... --pools LIST --cp LIST --max-tokens-per-rank LIST ...
 
 Only this module uses argparse; it builds the frozen configs and calls the pure planner.
 Megatron-LM's names are aliases of the same flags (``--context-parallel-size`` is ``--cp``): one
@@ -59,12 +60,15 @@ PROG = "dcp-plan"
 USAGE = """dcp-plan [plan] DATASET... --dp D [--cp C] --max-tokens-per-rank CAP
                        (--global-batch-size B | --global-batch-tokens T) [options]
        dcp-plan validate PLAN [DATASET...]   check a plan (and its coverage of DATASET)
-       dcp-plan show PLAN [--steps A:B]       per-step table ('dcp-plan show --help')"""
+       dcp-plan show PLAN [--steps A:B]       per-step table ('dcp-plan show --help')
+       dcp-plan compare DATASET... --pools 8,16,64 --cp 2,4 --max-tokens-per-rank C,...
+                                              compare setups ('dcp-plan compare --help')"""
 EPILOG = """\
 commands:
   plan       (the default) plan DATASET and write the plan file
   validate   check a plan file's invariants, and with DATASET its coverage and fingerprint
   show       print a plan's per-step table, or every row of one step
+  compare    which pool and capacity to ask for: setups side by side on one dataset
 
 datasets:
   DATASET is one or more files, directories or (quoted) globs, in the order given; a directory's
@@ -352,7 +356,10 @@ def cmd_validate(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"validate": cmd_validate, "show": cmd_show, "plan": cmd_plan}
+    from planner.clicompare import cmd_compare
+
+    commands = {"validate": cmd_validate, "show": cmd_show, "plan": cmd_plan,
+                "compare": cmd_compare}
     cmd = cmd_plan
     if argv and argv[0] in commands:
         cmd = commands[argv.pop(0)]

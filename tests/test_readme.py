@@ -58,3 +58,11 @@ def test_planning_and_notebook_examples_run(checkout: Path) -> None:
     result = subprocess.run([sys.executable, "-c", code], cwd=checkout, capture_output=True,
                             text=True, timeout=300, env={**os.environ, "MPLBACKEND": "Agg"})
     assert result.returncode == 0, result.stderr
+
+
+def test_compare_example_runs(checkout: Path) -> None:
+    out = run_bash(readme_block("Choosing a pool and capacity: `dcp-plan compare`", "bash"),
+                   checkout)
+    assert "steps     every step planned (32 per setup)" in out
+    assert "refused   pool 4, cap 4,096: " in out          # as the README says
+    assert (checkout / "plans" / "setups.png").read_bytes()[:4] == b"\x89PNG"
