@@ -62,13 +62,15 @@ USAGE = """dcp-plan [plan] DATASET... --dp D [--cp C] --max-tokens-per-rank CAP
        dcp-plan validate PLAN [DATASET...]   check a plan (and its coverage of DATASET)
        dcp-plan show PLAN [--steps A:B]       per-step table ('dcp-plan show --help')
        dcp-plan compare DATASET... --pools 8,16,64 --cp 2,4 --max-tokens-per-rank C,...
-                                              compare setups ('dcp-plan compare --help')"""
+                                              compare setups ('dcp-plan compare --help')
+       dcp-plan report PLAN -o report.html   the plan as one HTML page"""
 EPILOG = """\
 commands:
   plan       (the default) plan DATASET and write the plan file
   validate   check a plan file's invariants, and with DATASET its coverage and fingerprint
   show       print a plan's per-step table, or every row of one step
   compare    which pool and capacity to ask for: setups side by side on one dataset
+  report     a plan as one self-contained HTML page (gain, summary, per-step figures)
 
 datasets:
   DATASET is one or more files, directories or (quoted) globs, in the order given; a directory's
@@ -357,9 +359,10 @@ def cmd_validate(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from planner.clicompare import cmd_compare
+    from planner.clireport import cmd_report
 
     commands = {"validate": cmd_validate, "show": cmd_show, "plan": cmd_plan,
-                "compare": cmd_compare}
+                "compare": cmd_compare, "report": cmd_report}
     cmd = cmd_plan
     if argv and argv[0] in commands:
         cmd = commands[argv.pop(0)]

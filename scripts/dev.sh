@@ -36,6 +36,22 @@ setup() {
   fi
 }
 
+# The report's test renders a page in a real headless browser: Debian's chromium. Installed when
+# missing where this runs as root with apt-get (CI does); elsewhere the test skips and says so.
+ensure_chromium() {
+  command -v chromium >/dev/null 2>&1 && return 0
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing chromium (Debian's package) for the HTML report's browser test" >&2
+    if ! { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } \
+        >/dev/null 2>&1; then
+      echo "setup: chromium could not be installed; the report's browser test will skip" >&2
+    fi
+  else
+    echo "setup: no chromium (apt-get install chromium as root): the report's browser test" \
+      "will skip" >&2
+  fi
+}
+
 case "${1:-}" in
   setup) setup ;;
   plan)
@@ -47,6 +63,7 @@ case "${1:-}" in
     ;;
   test)
     setup
+    ensure_chromium
     shift
     .venv/bin/python -m pytest -q -m 'not gpu' "$@"
     ;;

@@ -66,3 +66,11 @@ def test_compare_example_runs(checkout: Path) -> None:
     assert "steps     every step planned (32 per setup)" in out
     assert "refused   pool 4, cap 4,096: " in out          # as the README says
     assert (checkout / "plans" / "setups.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_report_example_runs(checkout: Path) -> None:
+    out = run_bash(readme_block("A report to share: `dcp-plan report`", "bash"), checkout)
+    assert out.startswith("plans/sample-report.html: report of plans/sample.arrow")
+    page = (checkout / "plans" / "sample-report.html").read_text()
+    assert page.startswith("<!DOCTYPE html>")
+    assert "Predicted gain" in page
