@@ -21,6 +21,7 @@ from typing import Any
 from planner.cliargs import (
     HelpFormatter,
     add_json_arguments,
+    add_version,
     emit_summary,
     flag_message,
     int_list,
@@ -41,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Compare candidate setups (pool size, static cp, capacity per rank) on one "
         "dataset: simulated time per step, tokens/s, speed-up over static CP and Megatron's "
         "greedy, padding and idle share. Every setup plans the same global batches.")
+    add_version(p)
     p.add_argument("dataset", nargs="+", metavar="DATASET",
                    help="dataset files, directories or quoted globs (as for dcp-plan)")
     p.add_argument("--field", help="record field or column to read (as for dcp-plan)")

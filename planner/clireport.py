@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from planner.cliargs import HelpFormatter
+from planner.cliargs import HelpFormatter, add_json_arguments, add_version, emit_summary
 
 PROG = "dcp-plan report"
 
@@ -22,11 +22,13 @@ def cmd_report(argv: list[str]) -> int:
                                 description="Write a plan's report: one self-contained HTML "
                                 "file (no network) with the predicted gain, the summary and "
                                 "the per-step figures.")
+    add_version(p)
     p.add_argument("plan", help="plan file (.arrow)")
     p.add_argument("-o", "--output", default="",
                    help="HTML file to write (default: the plan's path with .html)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing output file (never the plan or another plan)")
+    add_json_arguments(p)
     args = p.parse_intermixed_args(argv)
     from planner.cliguard import write_output
     from planner.notebook.view import read_plan
@@ -47,5 +49,7 @@ def cmd_report(argv: list[str]) -> int:
     finally:
         view.close()
     write_output(out, page.encode(), inputs=[args.plan], overwrite=args.overwrite)
-    print(f"{out}: report of {args.plan} ({len(page) / 1024:,.0f} KiB)")
+    result = {"report": str(out), "plan": args.plan, "bytes": len(page.encode())}
+    emit_summary(result, f"{out}: report of {args.plan} ({len(page) / 1024:,.0f} KiB)",
+                 as_json=args.json, json_path=args.summary_json)
     return 0

@@ -52,6 +52,15 @@ def test_subcommand_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> N
         main(["show", "--help"])
     assert e.value.code == 0
     assert "--steps A:B" in capsys.readouterr().out
+    for cmd, want in (("compare", "(default: 1000)"), ("report", "--overwrite")):
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "--help"])
+        assert e.value.code == 0
+        assert want in " ".join(capsys.readouterr().out.split())
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "--version"])
+        assert e.value.code == 0
+        assert capsys.readouterr().out.startswith(f"dcp-plan {cmd} 0.")
 
 
 def _sha(p: Path) -> bytes:
