@@ -31,6 +31,15 @@ from planner.cliargs import (
 from planner.config import EFFORTS, LONG_SEQUENCE_POLICIES
 
 PROG = "dcp-plan compare"
+
+
+def _positive_list(text: str) -> tuple[int, ...]:
+    """argparse ``type``: a comma-separated list of integers >= 1 (``8,16,64``)."""
+    values = int_list(text)
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers >= 1 "
+                                         f"such as 8,16,64, got {text!r}")
+    return values
 DEFAULT_SAMPLE = 1000
 """Steps planned per setup by default: every step of a million Wikipedia lengths at a global
 batch of 1024 (977), a sample of larger plans (BENCHMARKS.md measures the error it leaves)."""
@@ -48,12 +57,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--field", help="record field or column to read (as for dcp-plan)")
     p.add_argument("--skip-bad-records", action="store_true",
                    help="skip malformed records (reported) instead of stopping")
-    p.add_argument("--pools", type=int_list, required=True, metavar="LIST",
+    p.add_argument("--pools", type=_positive_list, required=True, metavar="LIST",
                    help="pool sizes N = dp x cp to compare, e.g. 8,16,64")
-    p.add_argument("--cp", type=int_list, default=(1,), metavar="LIST",
+    p.add_argument("--cp", type=_positive_list, default=(1,), metavar="LIST",
                    help="static CP sizes to compare against (what the job runs today), e.g. "
                    "2,4,8; the dynamic plan of a pool does not depend on them")
-    p.add_argument("--max-tokens-per-rank", "--max-seqlen-per-dp-cp-rank", type=int_list,
+    p.add_argument("--max-tokens-per-rank", "--max-seqlen-per-dp-cp-rank", type=_positive_list,
                    required=True, metavar="LIST", dest="capacities",
                    help="capacities per rank to compare, e.g. 8192,16384")
     g = p.add_mutually_exclusive_group(required=True)
