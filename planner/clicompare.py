@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from planner.cliargs import (
+    ArgumentParser,
     HelpFormatter,
     add_json_arguments,
     add_version,
@@ -46,7 +47,7 @@ batch of 1024 (977), a sample of larger plans (BENCHMARKS.md measures the error 
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog=PROG, formatter_class=HelpFormatter,
         description="Compare candidate setups (pool size, static cp, capacity per rank) on one "
         "dataset: simulated time per step, tokens/s, speed-up over static CP and Megatron's "
@@ -86,9 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-seed", type=nonnegative_int, default=0, metavar="S",
                    help="which steps are sampled")
     p.add_argument("--figure", metavar="FILE", default="",
-                   help="also draw the comparison (PNG; .svg or .pdf by extension)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing --figure file (never an input or a plan)")
+                   help="also draw the comparison (PNG; .svg or .pdf by extension); replaces "
+                   "only a figure, never an input or another kind of file")
     add_json_arguments(p)
     return p
 
@@ -103,14 +103,19 @@ def cmd_compare(argv: list[str]) -> int:
     t0 = time.perf_counter()
     cost = load_cost_model(args.cost_model)
     inputs = [*args.dataset, *([args.cost_model] if "." in args.cost_model else [])]
-    if args.figure:  # refuse a bad figure path before any work
+    from planner.fileguard import check_output
+
+    # Every output checked before any work (planner.fileguard: never an input, the other
+    # output, a special file, or an existing file of another kind).
+    if args.figure:
         from pathlib import Path
 
-        from planner.planfile.io import check_output_path
-
-        check_output_path(args.figure, inputs=inputs, overwrite=args.overwrite)
+        check_output(args.figure, kind="figure", inputs=inputs, flag="--figure",
+                     others={"--summary-json": args.summary_json})
         if Path(args.figure).suffix.lower() not in ("", ".png", ".svg", ".pdf"):
             raise ValueError(f"--figure {args.figure}: give a .png, .svg or .pdf file")
+    if args.summary_json:
+        check_output(args.summary_json, kind="summary", inputs=inputs, flag="--summary-json")
     table = read_lengths(args.dataset, skip_bad_records=args.skip_bad_records, field=args.field)
     setups = expand(args.pools, args.capacities)
     base = PlannerConfig(
@@ -134,11 +139,11 @@ def cmd_compare(argv: list[str]) -> int:
             f"{_name(s)}: {why}" for s, why in reasons))
     doc = _document(table, args, cost.name, results, reasons, time.perf_counter() - t0)
     if args.figure:
-        from planner.cliguard import write_output
+        from planner.fileguard import write_atomic
         from planner.notebook.plotcompare import compare_figure
 
-        write_output(args.figure, compare_figure(doc, args.figure), inputs=inputs,
-                     overwrite=args.overwrite)
+        write_atomic(args.figure, compare_figure(doc, args.figure), kind="figure",
+                     inputs=inputs)
     emit_summary(doc, _text(doc), as_json=args.json, json_path=args.summary_json)
     return 0
 

@@ -101,37 +101,3 @@ def default_output(item: str) -> Path:
     name = Path(strip_compression(item.rstrip("/")))
     stem = name.stem if name.suffix else name.name
     return Path("plans") / f"{stem or 'plan'}.arrow"
-
-
-def write_output(path: str | Path, data: bytes, *, inputs: list[str], overwrite: bool) -> Path:
-    """Write a figure or report: refused when it is one of ``inputs``, a plan, a directory or
-    (without ``overwrite``) any other existing file; written to a temporary beside it, fsynced
-    and renamed, so an error leaves nothing behind.
-
-    TODO(issue-22): the shared output guard replaces these checks once it lands.
-    """
-    import os
-    import tempfile
-
-    from planner.planfile.io import check_output_path, fsync_dir, is_plan_file
-
-    out = Path(path)
-    if out.exists() and is_plan_file(out):
-        raise ValueError(f"{out}: is a dcp plan; refusing to overwrite it with a figure or "
-                         "report (choose another output)")
-    check_output_path(out, inputs=inputs, overwrite=overwrite)
-    parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        raise ValueError(f"{out}: the directory {parent} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(parent)
-    return out

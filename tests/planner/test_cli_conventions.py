@@ -52,7 +52,7 @@ def test_subcommand_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> N
         main(["show", "--help"])
     assert e.value.code == 0
     assert "--steps A:B" in capsys.readouterr().out
-    for cmd, want in (("compare", "(default: 1000)"), ("report", "--overwrite")):
+    for cmd, want in (("compare", "(default: 1000)"), ("report", "replaces only a report")):
         with pytest.raises(SystemExit) as e:
             main([cmd, "--help"])
         assert e.value.code == 0

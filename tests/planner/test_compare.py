@@ -74,14 +74,20 @@ def test_figure_is_written_and_guarded(tmp_path: Path,
     fig = tmp_path / "setups.png"
     assert main([*GRID, "--figure", str(fig)]) == 0
     assert fig.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main([*GRID, "--figure", str(fig)]) == 0          # an earlier figure is replaced
+    plan, notes = tmp_path / "p.arrow", tmp_path / "notes.png"
+    assert main([str(SAMPLE), "--dp", "2", "--cp", "2", "--max-tokens-per-rank", "8192",
+                 "--global-batch-size", "200", "-o", str(plan), "--quiet"]) == 0
+    notes.write_text("my notes")
     capsys.readouterr()
-    before = SAMPLE.read_bytes()
-    for bad, message in [(str(SAMPLE), "is the input"), (str(fig), "exists and is not a dcp plan"),
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    for bad, message in [(str(SAMPLE), "is the input"), (str(plan), "is not a figure"),
+                         (str(notes), "is not a figure"),
                          (str(tmp_path / "a.gif"), "give a .png, .svg or .pdf")]:
         assert main([*GRID, "--figure", bad]) == 2
         assert message in capsys.readouterr().err
-    assert SAMPLE.read_bytes() == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["setups.png"]   # nothing left over
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before   # nothing changed
+    assert SAMPLE.read_bytes() == before.get(SAMPLE.name, SAMPLE.read_bytes())
 
 
 def test_no_possible_setup_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:

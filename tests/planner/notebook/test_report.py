@@ -130,11 +130,13 @@ def test_report_output_is_guarded(tmp_path: Path, capsys: pytest.CaptureFixture[
     mine.write_text("my notes")
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     for argv, message in [(["-o", str(plan)], "is the input"),
-                          (["-o", str(other), "--overwrite"], "is a dcp plan"),
-                          (["-o", str(mine)], "exists and is not a dcp plan"),
-                          (["-o", str(tmp_path / "no" / "r.html")], "does not exist")]:
+                          (["-o", str(other)], "is not an HTML report"),
+                          (["-o", str(mine)], "is not an HTML report"),
+                          (["-o", str(tmp_path / "r.html"), "--summary-json",
+                            str(tmp_path / "r.html")], "is also this run's --summary-json")]:
         assert main(["report", str(plan), *argv]) == 2, argv
         assert message in capsys.readouterr().err, argv
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before   # nothing changed
     assert main(["report", str(plan)]) == 0                  # default: beside the plan
     assert (tmp_path / "p.html").read_text().startswith("<!DOCTYPE html>")
+    assert main(["report", str(plan)]) == 0                  # an earlier report is replaced
