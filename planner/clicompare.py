@@ -29,6 +29,7 @@ from planner.cliargs import (
     nonnegative_int,
     positive_int,
 )
+from planner.cliflags import FLAGS
 from planner.config import EFFORTS, LONG_SEQUENCE_POLICIES
 
 PROG = "dcp-plan compare"
@@ -131,9 +132,7 @@ def cmd_compare(argv: list[str]) -> int:
             results.append(evaluate(table, s, base, cost, cps=args.cp,
                                     sample=args.sample_steps, sample_seed=args.sample_seed))
         except ValueError as e:
-            reasons.append((s, flag_message(str(e), {"long_sequences": "--long-sequences",
-                                                     "capacity_tokens_per_rank":
-                                                     "--max-tokens-per-rank"})))
+            reasons.append((s, flag_message(str(e), FLAGS)))
     if not results:
         raise ValueError("no setup can plan this dataset:\n  " + "\n  ".join(
             f"{_name(s)}: {why}" for s, why in reasons))
