@@ -8,12 +8,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from planner.groups import LAYOUTS, ZIGZAG, check_cp_sizes, pad_multiple, valid_cp_sizes
+from planner.groups import (
+    LAYOUTS,
+    MAX_GROUP_TOKENS,
+    ZIGZAG,
+    check_cp_sizes,
+    pad_multiple,
+    valid_cp_sizes,
+)
 from planner.planfile.schema import EVAL, PLAN_KINDS
 
 LONG_SEQUENCE_POLICIES = ("error", "split", "truncate", "drop")
 MAX_SEED = 2**64 - 1
 """Seeds are 64-bit (the permutation's splitmix64 keys)."""
+
 EFFORTS = ("fast", "balanced", "max")
 ENGINES = ("local", "ray")
 """Where step ranges are planned (solver/parallel.py): this machine's processes, or Ray tasks."""
@@ -221,6 +229,15 @@ class PlannerConfig:
                 f"min_cp={self.min_cp} leaves no group size (sizes: {self.cp_sizes or 'default'})"
             )
         object.__setattr__(self, "sizes", sizes)
+        # A group's packed buffer is addressed by int32 offsets (TE's cu_seqlens, the rows):
+        # a group of k ranks holds up to k x C padded tokens, which must stay below 2^31.
+        k = max(sizes)
+        if k * self.capacity_tokens_per_rank > MAX_GROUP_TOKENS:
+            raise ValueError(
+                f"a group of {k} ranks holds up to {k} x {self.capacity_tokens_per_rank} = "
+                f"{k * self.capacity_tokens_per_rank} padded tokens, more than the "
+                f"{MAX_GROUP_TOKENS} that int32 offsets (cu_seqlens) address; lower "
+                f"--max-tokens-per-rank to at most {MAX_GROUP_TOKENS // k} or limit --cp-sizes")
         # A rank must hold at least one padded sequence of the largest group: below that, every
         # sequence at that size is mostly padding and long samples split into a flood of tiny
         # microbatches (C = 3 at CP 2 zigzag planned 415 microbatches per step).

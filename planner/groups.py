@@ -26,6 +26,9 @@ from collections.abc import Sequence
 
 MAX_SEGMENT_TOKENS = 2**31 - 1
 """Most padded tokens one plan row can hold: ``num_tokens`` and ``padded_tokens`` are int32."""
+MAX_GROUP_TOKENS = 2**31 - 1
+"""Padded tokens one CP group may hold in a microbatch (k x capacity at most): the runtime
+addresses a group's packed buffer with int32 offsets (TE's ``cu_seqlens``)."""
 
 ZIGZAG = "zigzag"
 CONTIGUOUS = "contiguous"

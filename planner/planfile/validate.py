@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 from numpy.typing import NDArray
 
-from planner.groups import LAYOUTS, pad_multiple, valid_cp_sizes
+from planner.groups import LAYOUTS, MAX_GROUP_TOKENS, pad_multiple, valid_cp_sizes
 from planner.planfile.coverage import Coverage
 from planner.planfile.gain import gain_errors
 from planner.planfile.schema import (
@@ -270,6 +270,11 @@ def _check_header(header: PlanHeader, err: _Errors) -> None:
         err.add(f"header: pad_to_multiple {header.pad_to_multiple} is not >= 1")
     if header.capacity_tokens_per_rank < 1:
         err.add(f"header: capacity_tokens_per_rank {header.capacity_tokens_per_rank} is not >= 1")
+    elif header.cp_sizes and \
+            header.capacity_tokens_per_rank * max(header.cp_sizes) > MAX_GROUP_TOKENS:
+        err.add(f"header: a group of {max(header.cp_sizes)} ranks may hold "
+                f"{max(header.cp_sizes)} x {header.capacity_tokens_per_rank} padded tokens, "
+                f"more than the {MAX_GROUP_TOKENS} that int32 offsets (cu_seqlens) address")
     # Epochs must tile the steps in order: a gap or an overlap would leave steps unchecked.
     expected = 0
     for e, (first, count) in enumerate(header.epochs):

@@ -13,9 +13,10 @@ header stats, checksum and spill them (``planfile.io.write_plan_stream``); that 
 cluster, bounds the engine (docs/design.md, BENCHMARKS.md).
 
 Ray is imported lazily, only when this engine runs: ``import planner`` never loads it. Without it
-installed, ``import_ray`` exits naming the extra. A task's own error (a ``ValueError`` on bad
-input) is re-raised as that exception, the message a local run gives; Ray's failures (a worker or
-node that died, a cluster that cannot be reached) become ``EngineError`` with Ray's first line.
+installed, ``import_ray`` raises ``EngineError`` naming the extra (exit 2). A task's own error (a
+``ValueError`` on bad input) is re-raised as that exception, the message a local run gives;
+Ray's failures (a worker or node that died, a cluster that cannot be reached) become
+``EngineError`` with Ray's first line.
 Every node must run the same dcp-planner, NumPy and OR-Tools as the driver (a CP-SAT answer may
 differ between versions): a task checks and refuses otherwise.
 """
@@ -53,12 +54,12 @@ DEFAULT_PORTS = {"ray": 10001, "": 6379}
 
 
 def import_ray() -> ModuleType:
-    """The ``ray`` module, or a ``SystemExit`` that says how to install it."""
+    """The ``ray`` module, or an ``EngineError`` that says how to install it (exit 2)."""
     try:
         import ray
     except ImportError:
-        raise SystemExit(f"dcp-plan: error: --engine ray needs Ray, which is not installed: "
-                         f"{RAY_EXTRA}") from None
+        raise EngineError(f"--engine ray needs Ray, which is not installed: "
+                          f"{RAY_EXTRA}") from None
     return ray
 
 
@@ -128,32 +129,75 @@ def connected(workers: int, address: str) -> Iterator[tuple[int, bool]]:
         check_address(address)
         quiet: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.ERROR,
                                  "log_to_driver": False}
-        # ray.init installs a SIGTERM handler of its own (sys.exit): keep the caller's, such as
-        # dcp-plan's (cliguard.terminate: the writer cleans up, one line says what happened).
-        sigterm = signal.getsignal(signal.SIGTERM)
-        try:
-            if address:
-                ray.init(address=address, **quiet)
-            else:
-                # "local": a new Ray here even where RAY_ADDRESS names a cluster.
-                ray.init(address="local", num_cpus=workers or os.cpu_count() or 1, **quiet)
-        except Exception as e:
-            where = f"the Ray cluster at {address}" if address else "a local Ray"
-            hint = ("; a cluster with token authentication needs RAY_AUTH_MODE=token and its "
-                    "token (Ray's token-auth docs)" if address and
-                    os.environ.get("RAY_AUTH_MODE") != "token" else "")
-            raise EngineError(f"could not start or reach {where}: {_first_line(e)}{hint}"
-                              ) from None
-        finally:
-            if threading.current_thread() is threading.main_thread() and sigterm is not None:
-                signal.signal(signal.SIGTERM, sigterm)
+        with _signals_held(ray) as held:
+            try:
+                if address:
+                    ray.init(address=address, **quiet)
+                else:
+                    # "local": a new Ray here even where RAY_ADDRESS names a cluster.
+                    ray.init(address="local", num_cpus=workers or os.cpu_count() or 1,
+                             **quiet)
+            except Exception as e:
+                where = f"the Ray cluster at {address}" if address else "a local Ray"
+                hint = ("; a cluster with token authentication needs RAY_AUTH_MODE=token and "
+                        "its token (Ray's token-auth docs)" if address and
+                        os.environ.get("RAY_AUTH_MODE") != "token" else "")
+                raise EngineError(f"could not start or reach {where}: {_first_line(e)}{hint}"
+                                  ) from None
+        if held:
+            # A signal came during the start-up: Ray goes down first, then the caller's own
+            # handler gets it (dcp-plan's raises, so its cleanup runs and it exits 128+N).
+            _shutdown(ray)
+            signal.raise_signal(held[0])
         started = True
     try:
         cpus = int(ray.cluster_resources().get("CPU", 0))
         yield workers or max(cpus, 1), started
     finally:
         if started:
-            ray.shutdown()
+            _shutdown(ray)
+
+
+def _shutdown(ray: ModuleType) -> None:
+    """``ray.shutdown``, then the caller's signal handlers again: Ray's core worker resets the
+    process's SIGTERM and SIGINT to the default action on its way down (behind Python's back:
+    ``signal.getsignal`` still names the old handler), so a SIGTERM during the plan's final
+    validation would have killed it with its temporary file left behind. A signal during the
+    shutdown is held, as during the start-up, and delivered after it."""
+    with _signals_held(ray) as held:  # an exception raised inside the shutdown could abort
+        ray.shutdown()
+    if held:
+        signal.raise_signal(held[0])
+
+
+@contextmanager
+def _signals_held(ray: ModuleType) -> Iterator[list[int]]:
+    """SIGTERM and SIGINT held while Ray starts (yields the signals that came).
+
+    ``ray.init`` first installs a SIGTERM handler of its own (``sys.exit``), and an exception
+    raised in the middle of it, by that handler or the caller's, was lost (the plan went on,
+    exit 0), exited 15 with no word, or aborted in Ray's C++ core (SIGABRT and a stack dump).
+    So during the start-up both signals are only recorded, Ray is kept from installing its
+    handler, and the caller's handlers are back afterwards, whatever happened.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield []  # only the main thread can set handlers (and Ray then sets none either)
+        return
+    held: list[int] = []
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    utils = ray._private.utils
+    own = getattr(utils, "set_sigterm_handler", None)
+    if own is not None:
+        utils.set_sigterm_handler = lambda handler: None
+    for s in saved:
+        signal.signal(s, lambda signum, frame: held.append(signum))
+    try:
+        yield held
+    finally:
+        if own is not None:
+            utils.set_sigterm_handler = own
+        for s, handler in saved.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
 
 
 def _first_line(e: BaseException) -> str:

@@ -192,6 +192,12 @@ def blend_counts(weights: Sequence[float], global_batch_size: int) -> list[int]:
     """
     total = float(sum(weights))
     exact = [global_batch_size * w / total for w in weights]
+    if not all(math.isfinite(x) for x in exact):
+        # Weights near the float limit (1e308 + 1e308 overflows): the same shares, scaled
+        # first. Finite sums keep the formula above, so their counts never change.
+        top = max(weights)
+        scaled = [w / top for w in weights]
+        exact = [global_batch_size * (w / sum(scaled)) for w in scaled]
     counts = [int(math.floor(x)) for x in exact]
     rest = global_batch_size - sum(counts)
     order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - counts[i]), i))

@@ -244,8 +244,10 @@ def read_megatron_index(
     """Read ``prefix.idx``: (sequence lengths, byte pointers into ``prefix.bin``, token dtype).
 
     Raises:
-        ValueError: the index is missing, truncated, of another format or version, or declares a
-            float token dtype (token ids are integers).
+        ValueError: the index is missing, truncated, of another format or version, declares a
+            float token dtype (token ids are integers), or holds a pointer that is negative,
+            not a multiple of the token size, or before the end of the sequence before it
+            (naming the sequence).
     """
     idx = f"{os.fspath(prefix)}.idx"
     check_input(idx, "a Megatron index")
@@ -268,7 +270,38 @@ def read_megatron_index(
                              f"the file has {os.fstat(f.fileno()).st_size}")
         sizes = np.fromfile(f, dtype="<i4", count=count).astype(np.int64)
         pointers = np.fromfile(f, dtype="<i8", count=count).astype(np.int64)
-    return sizes, pointers, np.dtype(_DTYPES[code])
+    dtype = np.dtype(_DTYPES[code])
+    _check_pointers(idx, sizes, pointers, dtype)
+    return sizes, pointers, dtype
+
+
+def _check_pointers(idx: str, sizes: NDArray[np.int64], pointers: NDArray[np.int64],
+                    dtype: np.dtype[Any]) -> None:
+    """Every sequence's byte pointer: >= 0, a multiple of the token size, and at or after the
+    end of the sequence before it (Megatron's writer makes them the running sum of the
+    sequences' bytes). A negative pointer would read the end of the ``.bin`` (numpy's negative
+    indexing), a misaligned one would be rounded down: both are a damaged index, not data."""
+    if len(pointers) == 0:
+        return
+    item = dtype.itemsize
+
+    def fail(i: int, problem: str) -> None:
+        raise ValueError(f"{idx}: sequence {i}: {problem} (a damaged or foreign index: "
+                         "rebuild it with Megatron's preprocessing)")
+
+    bad = np.flatnonzero(pointers < 0)
+    if bad.size:
+        fail(int(bad[0]), f"byte pointer {int(pointers[bad[0]])} is negative")
+    bad = np.flatnonzero(pointers % item)
+    if bad.size:
+        fail(int(bad[0]), f"byte pointer {int(pointers[bad[0]])} is not a multiple of the "
+                          f"{item}-byte token size ({dtype.name})")
+    ends = pointers + np.maximum(sizes, 0) * item
+    bad = np.flatnonzero(pointers[1:] < ends[:-1]) + 1
+    if bad.size:
+        i = int(bad[0])
+        fail(i, f"starts at byte {int(pointers[i])}, before sequence {i - 1} ends (byte "
+                f"{int(ends[i - 1])}): pointers must follow the sequences in order")
 
 
 def read_megatron(prefix: str, bad: BadRecords) -> NDArray[np.int64]:
@@ -278,10 +311,13 @@ def read_megatron(prefix: str, bad: BadRecords) -> NDArray[np.int64]:
     if len(sizes) and os.path.isfile(bin_path):
         # Only the size of the token file is checked (a stat, not a read): a truncated or
         # mismatched .bin would otherwise fail much later, inside a training run.
-        need = int(np.max(pointers + sizes * dtype.itemsize))
+        ends = pointers + np.maximum(sizes, 0) * dtype.itemsize
+        need = int(np.max(ends))
         have = os.path.getsize(bin_path)
         if have < need:
-            raise ValueError(f"{bin_path}: holds {have} bytes, its index addresses {need}")
+            last = int(np.argmax(ends > have))
+            raise ValueError(f"{bin_path}: holds {have} bytes, its index addresses {need} "
+                             f"(sequence {last} and later lie past the end: truncated?)")
     bad_rows = np.flatnonzero(sizes <= 0)
     bad.add_rows(bad_rows, lambda i: (f"{prefix}.idx: sequence {i}",
                                       f"length {sizes[i]}; lengths must be positive"))

@@ -353,12 +353,16 @@ def test_beats_static_cp_on_a_long_tail_mix() -> None:
 
 
 def test_segments_longer_than_int32_are_long_sequences() -> None:
-    # N x C = 2^32 padded tokens, but num_tokens/padded_tokens are int32 columns: a 3e9-token
-    # sample must follow the long-sequence policy instead of wrapping around.
+    # A group of N x C = 2^32 padded tokens is refused (int32 offsets: cu_seqlens, the rows);
+    # at the largest capacity that fits, a 3e9-token sample must follow the long-sequence
+    # policy instead of wrapping around.
+    with pytest.raises(ValueError, match="more than the 2147483647 that int32 offsets"):
+        config(dp=8, cp=1, capacity=2**29, gbs=2, effort="fast")
     tab = table([3_000_000_000, 100])
+    cap = (2**31 - 1) // 8
     with pytest.raises(ValueError, match="sample 0 has 3000000000 tokens"):
-        make_plan(tab, config(dp=8, cp=1, capacity=2**29, gbs=2, effort="fast"), COST)
-    cfg = config(dp=8, cp=1, capacity=2**29, gbs=2, effort="fast", long_sequences="split")
+        make_plan(tab, config(dp=8, cp=1, capacity=cap, gbs=2, effort="fast"), COST)
+    cfg = config(dp=8, cp=1, capacity=cap, gbs=2, effort="fast", long_sequences="split")
     plan = make_plan(tab, cfg, COST)
     check_plan(plan, tab, cfg)
     assert plan.header.stats["split_samples"] == [0]
