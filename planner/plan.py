@@ -21,6 +21,7 @@ segments at token offsets 0, 262144 and 524288 (75,712 tokens, which runs at CP 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -97,6 +98,10 @@ def segment_capacity(config: PlannerConfig) -> tuple[int, int]:
         best = max(best, (hold // m * m, k))
     return best
 
+
+WINDOW_SEGMENTS = 1 << 22
+"""Segments a window of epochs gathers before its steps are planned (~100 MB of step jobs); an
+epoch larger than that is a window of its own."""
 
 MAX_SEGMENTS_PER_SAMPLE = 4096
 """A split sample becomes at most this many segments (all in one step, about one microbatch
@@ -238,25 +243,15 @@ class PlanStream:
         if blend is not None and config.kind == EVAL:
             raise ValueError("an eval plan is one pass in file order: it takes no blend weights")
         self.blend = blend
-        self.blended: list[Any] = []
-        if config.kind == EVAL:
-            draws = [(eval_global_batches(policy.tokens, eligible,
-                                          global_batch_size=config.global_batch_size,
-                                          global_batch_tokens=config.global_batch_tokens),
-                      np.zeros(0, dtype=np.int64))]
-        elif blend is not None:
-            bounds, counts = blend
-            self.blended = [draw_blended_batches(eligible, bounds, counts, seed=config.seed,
-                                                 epoch=e) for e in range(config.epochs)]
-            draws = [(b, np.zeros(0, np.int64)) for b, _ in self.blended]
-        else:
-            draws = [draw_global_batches(policy.tokens, eligible, seed=config.seed, epoch=e,
-                                         global_batch_size=config.global_batch_size,
-                                         global_batch_tokens=config.global_batch_tokens,
-                                         drop_last=config.drop_last)
-                     for e in range(config.epochs)]
-        self.undrawn = [u for _, u in draws]
-        if sum(len(b) for b, _ in draws) == 0:
+        self.eligible = eligible
+        self.blended: list[list[int]] = []
+        self.undrawn: list[NDArray[np.int64]] = []
+        self.epochs: list[tuple[int, int]] = []
+        # Epoch 0 now: a dataset the global batch cannot cut into steps fails before any
+        # work (every epoch draws the same eligible samples, so the same number of steps in
+        # size mode, and none in tokens mode only when all of them hold fewer than T).
+        self._first = self._draw(0)
+        if not self._first:
             raise ValueError(
                 f"{table.path}: the plan would have no steps: "
                 f"{int(np.count_nonzero(eligible))} plannable samples and "
@@ -264,37 +259,97 @@ class PlanStream:
                    if config.global_batch_size
                    else f"a global batch of {config.global_batch_tokens} tokens")
                 + (" with --drop-last" if config.drop_last else ""))
-        self.jobs, self.epochs = _step_jobs([b for b, _ in draws], policy)
+        self._estimate = len(self._first) * config.epochs
         self.progress = progress
         self.stats = StatsAccumulator(config, cost)
         self.sources: dict[str, int] = {}
         self._done = False
 
+    def _draw(self, epoch: int) -> list[NDArray[np.int64]]:
+        """Epoch ``epoch``'s global batches (its undrawn samples and blend counts recorded)."""
+        config, tokens, eligible = self.config, self.policy.tokens, self.eligible
+        if config.kind == EVAL:
+            batches = eval_global_batches(tokens, eligible,
+                                          global_batch_size=config.global_batch_size,
+                                          global_batch_tokens=config.global_batch_tokens)
+            undrawn = np.zeros(0, dtype=np.int64)
+        elif self.blend is not None:
+            bounds, counts = self.blend
+            batches, drawn = draw_blended_batches(eligible, bounds, counts, seed=config.seed,
+                                                  epoch=epoch)
+            self.blended.append(drawn)
+            undrawn = np.zeros(0, np.int64)
+        else:
+            batches, undrawn = draw_global_batches(
+                tokens, eligible, seed=config.seed, epoch=epoch,
+                global_batch_size=config.global_batch_size,
+                global_batch_tokens=config.global_batch_tokens, drop_last=config.drop_last)
+        self.undrawn.append(undrawn)
+        return batches
+
+    def _windows(self) -> Iterator[StepJobs]:
+        """The step jobs, a few epochs at a time: each epoch's permutation is drawn only when
+        the steps before it are planned, so memory does not grow with ``epochs`` (a window
+        holds at least one epoch, and epochs while it holds fewer than ``WINDOW_SEGMENTS``)."""
+        first, draws, size = 0, [], 0
+        for e in range(self.config.epochs):
+            batches = self._first if e == 0 else self._draw(e)
+            self.epochs.append((first, len(batches)))
+            first += len(batches)
+            draws.append(batches)
+            size += sum(len(b) for b in batches)
+            if size >= WINDOW_SEGMENTS or e == self.config.epochs - 1:
+                yield _step_jobs(draws, self.policy)
+                draws, size = [], 0
+        self._first = []
+
     @property
     def num_steps(self) -> int:
-        return self.jobs.num_steps
+        """The plan's steps: exact once ``steps()`` is consumed, and before that whenever the
+        batch is a number of samples; with ``global_batch_tokens``, epoch 0's count times the
+        epochs until then (each epoch's permutation cuts its own)."""
+        return sum(c for _, c in self.epochs) if self._done else self._estimate
+
+    @property
+    def jobs(self) -> StepJobs:
+        """Every step's segments at once (O(epochs x samples): for benchmarks of one epoch)."""
+        keep = (self.undrawn, self.blended, self.epochs, self._first)
+        self.undrawn, self.blended, self.epochs = [], [], []
+        self._first = self._draw(0)
+        try:
+            parts = list(self._windows())
+        finally:
+            self.undrawn, self.blended, self.epochs, self._first = keep
+        return parts[0] if len(parts) == 1 else _concat_jobs(parts)
 
     def steps(self) -> Iterator[dict[str, NDArray[Any]]]:
-        """Each step's columns, planned on demand (``parallel.plan_steps``)."""
-        jobs, total = self.jobs, self.jobs.num_steps
+        """Each step's columns, planned on demand (``parallel.plan_steps``), epochs drawn as
+        the steps stream (``_windows``); Ray, if it plans, is started once for every window."""
         progress = self.progress
-        report = None if progress is None else (lambda done: progress(done, total))
-        for j, out in enumerate(plan_steps(
-                jobs, self.params, self.config.workers, report, engine=self.config.engine,
-                ray_address=self.config.ray_address)):
-            self.sources[out.source] = self.sources.get(out.source, 0) + 1
-            cols: dict[str, NDArray[Any]] = {
-                "step": np.full(len(out.microbatch), j, dtype=np.int32),
-                "microbatch": out.microbatch, "rank_start": out.rank_start,
-                "cp_size": out.cp_size, "sample_index": out.sample_index,
-                "token_offset": out.token_offset, "num_tokens": out.num_tokens,
-                "padded_tokens": out.padded_tokens,
-            }
-            assert tuple(cols) == COLUMN_NAMES
-            self.stats.add(cols, jobs.tokens[jobs.bounds[j]:jobs.bounds[j + 1]],
-                           out.bound_seconds, out.simulated_seconds,
-                           (out.static_seconds, out.megatron_seconds))
-            yield cols
+        done = 0
+        with _engine(self.config):
+            for jobs in self._windows():
+                base = done
+                total = max(self._estimate, base + jobs.num_steps)
+                report = None if progress is None else (
+                    lambda d, base=base, total=total: progress(base + d, total))
+                for j, out in enumerate(plan_steps(
+                        jobs, self.params, self.config.workers, report,
+                        engine=self.config.engine, ray_address=self.config.ray_address)):
+                    self.sources[out.source] = self.sources.get(out.source, 0) + 1
+                    cols: dict[str, NDArray[Any]] = {
+                        "step": np.full(len(out.microbatch), base + j, dtype=np.int32),
+                        "microbatch": out.microbatch, "rank_start": out.rank_start,
+                        "cp_size": out.cp_size, "sample_index": out.sample_index,
+                        "token_offset": out.token_offset, "num_tokens": out.num_tokens,
+                        "padded_tokens": out.padded_tokens,
+                    }
+                    assert tuple(cols) == COLUMN_NAMES
+                    self.stats.add(cols, jobs.tokens[jobs.bounds[j]:jobs.bounds[j + 1]],
+                                   out.bound_seconds, out.simulated_seconds,
+                                   (out.static_seconds, out.megatron_seconds))
+                    yield cols
+                done = base + jobs.num_steps
         self._done = True
 
     def header(self) -> PlanHeader:
@@ -319,7 +374,7 @@ class PlanStream:
         if self.blend is not None:
             global_batch["blend"] = {"weights": list(config.blend),
                                      "samples_per_step": self.blend[1],
-                                     "drawn_per_epoch": [d for _, d in self.blended]}
+                                     "drawn_per_epoch": list(self.blended)}
         p = config.parallel
         return PlanHeader(
             dataset=DatasetInfo(path=str(table.path), num_samples=len(lengths),
@@ -346,15 +401,10 @@ class PlanStream:
         )
 
 
-def _step_jobs(draws: list[list[NDArray[np.int64]]], policy: LongPolicyResult
-               ) -> tuple[StepJobs, list[tuple[int, int]]]:
-    """Every step's segments (all epochs, in order) and each epoch's (first step, count)."""
+def _step_jobs(draws: list[list[NDArray[np.int64]]], policy: LongPolicyResult) -> StepJobs:
+    """The segments of the steps of ``draws`` (epochs' batches, in order)."""
     parts: list[tuple[NDArray[np.int64], ...]] = []
-    epochs: list[tuple[int, int]] = []
-    num_steps = 0
     for batches in draws:
-        epochs.append((num_steps, len(batches)))
-        num_steps += len(batches)
         if not batches:
             continue
         sample, offset, tokens, count = _segments(np.concatenate(batches), policy)
@@ -362,17 +412,38 @@ def _step_jobs(draws: list[list[NDArray[np.int64]]], policy: LongPolicyResult
         parts.append((sample, offset, tokens, per_step))
     if not parts:
         empty = np.zeros(0, dtype=np.int64)
-        return StepJobs(sample=empty, offset=empty, tokens=empty,
-                        bounds=np.zeros(1, np.int64)), epochs
+        return StepJobs(sample=empty, offset=empty, tokens=empty, bounds=np.zeros(1, np.int64))
     if len(parts) == 1:
         # One epoch: no concatenation (at 20M samples a copy would add ~0.5 GB to the peak).
         sample, offset, tokens, per_step = parts[0]
         return StepJobs(sample=sample, offset=offset, tokens=tokens,
-                        bounds=np.r_[0, np.cumsum(per_step)]), epochs
+                        bounds=np.r_[0, np.cumsum(per_step)])
     return StepJobs(sample=np.concatenate([q[0] for q in parts]),
                     offset=np.concatenate([q[1] for q in parts]),
                     tokens=np.concatenate([q[2] for q in parts]),
-                    bounds=np.r_[0, np.cumsum(np.concatenate([q[3] for q in parts]))]), epochs
+                    bounds=np.r_[0, np.cumsum(np.concatenate([q[3] for q in parts]))])
+
+
+def _concat_jobs(parts: list[StepJobs]) -> StepJobs:
+    offsets = np.cumsum([0] + [int(p.bounds[-1]) for p in parts[:-1]])
+    return StepJobs(sample=np.concatenate([p.sample for p in parts]),
+                    offset=np.concatenate([p.offset for p in parts]),
+                    tokens=np.concatenate([p.tokens for p in parts]),
+                    bounds=np.concatenate([parts[0].bounds[:1]] + [
+                        p.bounds[1:] + o for p, o in zip(parts, offsets, strict=True)]))
+
+
+@contextmanager
+def _engine(config: PlannerConfig) -> Iterator[None]:
+    """One Ray for every window of steps (``ray_engine.connected``; a second window finds it
+    running and uses it), none for the local engine."""
+    if config.engine != "ray":
+        yield
+        return
+    from planner.solver.ray_engine import connected
+
+    with connected(config.workers, config.ray_address):
+        yield
 
 
 def make_plan(table: LengthTable, config: PlannerConfig, cost: CostModel, *,
