@@ -1,175 +1,233 @@
-"""Search trees over each level's blocks (numba): the placement kernel's best block in O(log).
+"""The placement kernel's search at the smallest size (numba): a tree over the units, exact in
+O(log N).
 
-The kernel (place.py) asks, for one segment at one level, for the block where it would end
-lowest: joining a group with room (ends at the block's load plus the segment's time) or opening
-a group on a block with a free microbatch (plus the ring latency a new group adds), the lowest
-block index on ties. A linear scan costs O(blocks) per question: O(N) at the smallest size,
-which dominates planning at pools of hundreds of ranks. Here each level keeps a binary tree over
-its blocks whose nodes hold, for their leaves, the lowest load (and the first leaf that has it),
-the lowest load of a block that can still open a group, and the largest room; ``best_block``
-walks it left to right and prunes every subtree that cannot beat the best end found so far.
-Where opening costs nothing extra (the smallest size) the lowest-load block is the answer
-whenever it is a candidate, which a walk up its path confirms without the search (most
-segments: a pass at N = 1024 took 0.63x the time). The answer is exactly the scan's
-(same arithmetic at the leaves, leaves visited in index order, replaced only when strictly
-lower), so plans do not change; only the time to find them does.
+The kernel (place.py) asks, for nearly every segment, for the unit (block of the smallest size
+k0) where it would end lowest: joining a group there with room for its ``p`` padded tokens, or
+opening a group on a unit with a free microbatch; the lowest unit on ties. At k0 opening costs
+no ring latency beyond what every microbatch pays, so both end at the unit's load plus the
+segment's time: the answer is the first unit of lowest load among the *candidates*, the units
+that are openable or hold a group with room >= p. A scan costs O(N) a segment, which dominated
+planning at pools of hundreds of ranks, and a tree pruned by "lowest load" and "largest room"
+separately degrades towards the scan whenever the lowest-load units lack room (issue 24).
 
-Layout: level ``lv`` has ``width[lv]`` leaf slots (a power of two >= its block count) at nodes
-``base[lv] + width[lv] + b``; node ``base[lv] + j`` has children ``base[lv] + 2j`` and
-``+ 2j + 1``; node 1 of a level is its root. Empty slots hold +inf loads and room -1; ``t_arg``
-holds a node's first lowest-load leaf (the left one on ties).
+Segments reach this search in non-increasing ``p`` (items.py orders them by work, which grows
+with the padded length), so between placements the candidate set only grows: a unit whose room
+is below the last ``p`` asked (the *threshold*) becomes a candidate only when a later, smaller
+``p`` reaches its room, or when a placement changes it. The tree keeps each unit in one of two
+states, and per node
+
+- ``a_load``: the lowest load of an *active* unit below it (openable, or room >= threshold),
+  +inf if none; ``a_room``: the largest room of an active unit (pack mode's best fit);
+- ``w_room``: the largest room of a *waiting* unit (the others).
+
+A question for ``p`` below the threshold first activates every waiting unit of room >= p (each
+found in O(log N) from the root; a unit activates at most once per change), then reads the
+lowest active load at the root and descends to the first unit whose end rounds to the same
+value (ends of different loads can round equal; rounding is monotone, so a subtree's lowest
+load gives its lowest end). A ``p`` above the threshold (never in the kernel's order with
+non-negative cost coefficients) rewrites every unit against it, O(N). A placement rewrites the
+units it touched and their ancestors. Answers are exactly the scan's, so plans do not change.
+
+The helpers are compiled without numba's reference counting (``_nrt=False``: they take arrays
+and return scalars, allocate nothing): the kernel calls them for every segment, and counting
+the references of a dozen array arguments per call was half of a pass at N = 1024.
+
+Layout: ``width`` leaf slots (a power of two >= the unit count); node j has children 2j and
+2j + 1, node 1 is the root, unit u is leaf ``width + u``; empty slots are never active and
+never wait (+inf load, room -1).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import numba
 import numpy as np
 from numpy.typing import NDArray
 
+F = TypeVar("F", bound=Callable[..., Any])
+_NO_REFCOUNT: dict[str, Any] = {"cache": True, "_nrt": False}
 
-@numba.njit(cache=True)
-def tree_layout(num_blocks: NDArray[np.int64]) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
-    """(leaf slots per level, offset of each level's nodes in the flat tree arrays)."""
-    num_levels = len(num_blocks)
-    width = np.empty(num_levels, dtype=np.int64)
-    base = np.empty(num_levels + 1, dtype=np.int64)
-    acc = 0
-    for lv in range(num_levels):
-        w = 1
-        while w < num_blocks[lv]:
-            w *= 2
-        width[lv] = w
-        base[lv] = acc
-        acc += 2 * w
-    base[num_levels] = acc
-    return width, base
+
+def no_refcount(fn: F) -> F:
+    """``numba.njit(cache=True)`` without reference counting, for the kernel's per-segment
+    helpers: arrays in, scalars out, nothing allocated (``_nrt`` is numba's own switch; its
+    type stubs do not list it)."""
+    return cast(F, numba.njit(**_NO_REFCOUNT)(fn))
+
+NO_THRESHOLD = np.iinfo(np.int64).max
+"""The threshold before any question: only openable units are active."""
 
 
 @numba.njit(cache=True)
-def set_leaf(lv: int, b: int, load: float, openable: bool, room: int,
-             width: NDArray[np.int64], base: NDArray[np.int64], t_load: NDArray[np.float64],
-             t_open: NDArray[np.float64], t_room: NDArray[np.int64],
-             t_arg: NDArray[np.int64]) -> None:
-    """Write block ``b`` of level ``lv`` into its leaf (parents are fixed by ``fix_up``)."""
-    node = base[lv] + width[lv] + b
-    t_load[node] = load
-    t_open[node] = load if openable else np.inf
-    t_room[node] = room
-    t_arg[node] = b
+def tree_width(num_units: int) -> int:
+    """Leaf slots: the smallest power of two >= ``num_units``."""
+    w = 1
+    while w < num_units:
+        w *= 2
+    return w
 
 
-@numba.njit(cache=True)
-def fix_up(lv: int, lo: int, hi: int, width: NDArray[np.int64], base: NDArray[np.int64],
-           t_load: NDArray[np.float64], t_open: NDArray[np.float64],
-           t_room: NDArray[np.int64], t_arg: NDArray[np.int64]) -> None:
-    """Recompute the ancestors of leaves ``lo..hi`` (inclusive) of level ``lv``.
+@no_refcount
+def _put(u: int, load: float, openable: bool, room: int, threshold: int, width: int,
+         a_load: NDArray[np.float64], a_room: NDArray[np.int64],
+         w_room: NDArray[np.int64]) -> None:
+    """Write unit ``u``'s leaf for ``threshold`` (ancestors are fixed by ``fix_up``)."""
+    node = width + u
+    if openable or room >= threshold:
+        a_load[node] = load
+        a_room[node] = room
+        w_room[node] = -1
+    else:
+        a_load[node] = np.inf
+        a_room[node] = -1
+        w_room[node] = room
 
-    Stops early when a single ancestor comes out unchanged (nothing above it can change).
-    """
-    off = base[lv]
-    lo += width[lv]
-    hi += width[lv]
+
+@no_refcount
+def fix_up(lo: int, hi: int, width: int, a_load: NDArray[np.float64], a_room: NDArray[np.int64],
+           w_room: NDArray[np.int64]) -> None:
+    """Recompute the ancestors of leaves ``lo..hi`` (inclusive), stopping at a level where
+    nothing changed (nothing above it can change then)."""
+    lo += width
+    hi += width
     while lo > 1:
         lo //= 2
         hi //= 2
         changed = False
         for j in range(lo, hi + 1):
-            a = off + 2 * j
-            ld = min(t_load[a], t_load[a + 1])
-            op = min(t_open[a], t_open[a + 1])
-            rm = max(t_room[a], t_room[a + 1])
-            ag = t_arg[a] if t_load[a] <= t_load[a + 1] else t_arg[a + 1]
-            if (ld != t_load[off + j] or op != t_open[off + j] or rm != t_room[off + j]
-                    or ag != t_arg[off + j]):
-                t_load[off + j] = ld
-                t_open[off + j] = op
-                t_room[off + j] = rm
-                t_arg[off + j] = ag
+            ld = min(a_load[2 * j], a_load[2 * j + 1])
+            ar = max(a_room[2 * j], a_room[2 * j + 1])
+            rm = max(w_room[2 * j], w_room[2 * j + 1])
+            if ld != a_load[j] or ar != a_room[j] or rm != w_room[j]:
+                a_load[j] = ld
+                a_room[j] = ar
+                w_room[j] = rm
                 changed = True
         if not changed:
             return
 
 
-@numba.njit(cache=True, inline="always")
-def _bound(node: int, p: int, t: float, open_cost: float, t_load: NDArray[np.float64],
-           t_open: NDArray[np.float64], t_room: NDArray[np.int64]) -> float:
-    """The lowest end any leaf under ``node`` can offer (exact at a leaf)."""
-    bound = np.inf
-    if t_room[node] >= p:
-        bound = t_load[node] + t
-    if t_open[node] < np.inf:
-        bound = min(bound, t_open[node] + t + open_cost)
-    return bound
+@no_refcount
+def _fix_one(u: int, width: int, a_load: NDArray[np.float64], a_room: NDArray[np.int64],
+             w_room: NDArray[np.int64]) -> None:
+    """``fix_up(u, u, ...)``: one leaf's ancestors."""
+    j = (width + u) // 2
+    while j >= 1:
+        ld = min(a_load[2 * j], a_load[2 * j + 1])
+        ar = max(a_room[2 * j], a_room[2 * j + 1])
+        rm = max(w_room[2 * j], w_room[2 * j + 1])
+        if ld == a_load[j] and ar == a_room[j] and rm == w_room[j]:
+            return
+        a_load[j] = ld
+        a_room[j] = ar
+        w_room[j] = rm
+        j //= 2
 
 
-@numba.njit(cache=True)
-def best_block(lv: int, p: int, t: float, open_cost: float, width: NDArray[np.int64],
-               base: NDArray[np.int64], t_load: NDArray[np.float64],
-               t_open: NDArray[np.float64], t_room: NDArray[np.int64], t_arg: NDArray[np.int64],
-               stack: NDArray[np.int64], stack_bound: NDArray[np.float64]) -> tuple[int, float]:
-    """(block, end) of the lowest end for a segment of ``p`` padded tokens and time ``t``.
+@no_refcount
+def put_units(lo: int, hi: int, load: NDArray[np.float64], count: NDArray[np.int64],
+              room: NDArray[np.int64], num_mb: int, state: NDArray[np.int64], width: int,
+              a_load: NDArray[np.float64], a_room: NDArray[np.int64],
+              w_room: NDArray[np.int64]) -> None:
+    """Units ``lo..hi`` changed (their ``load``, ``count`` or ``room``): rewrite them.
 
-    A block with a group of room >= p ends at load + t; otherwise, if it can open a group, at
-    load + t + open_cost; otherwise it is not a candidate. Lowest end first, then lowest block;
-    (-1, inf) when no block is a candidate. The walk goes to the better child first (left on
-    ties) and skips a subtree whose bound cannot beat the best (end, block) found so far; the
-    other child waits on a stack with its bound and the first leaf it covers.
+    ``state[0]`` is the threshold. ``load``/``count``/``room`` are indexed by unit (the kernel's
+    level-0 block arrays).
     """
-    off = base[lv]
-    w = width[lv]
-    if open_cost == 0.0:
-        # Joining and opening end alike, so the answer is the lowest-load block when that block
-        # is a candidate, unless a block before it ends just as low by rounding: every subtree
-        # left of its path must end higher (then the walk below would find the same block).
-        b = t_arg[off + 1]
-        leaf = off + w + b
-        if t_room[leaf] >= p or t_open[leaf] < np.inf:
-            end = t_load[leaf] + t
-            node = w + b
-            while node > 1 and (node % 2 == 0 or t_load[off + node - 1] + t > end):
-                node //= 2
-            if node == 1:
-                return b, end
-    best_end = np.inf
+    for u in range(lo, hi + 1):
+        _put(u, load[u], count[u] < num_mb, room[u], state[0], width, a_load, a_room, w_room)
+    if lo == hi:
+        _fix_one(lo, width, a_load, a_room, w_room)
+    else:
+        fix_up(lo, hi, width, a_load, a_room, w_room)
+
+
+@no_refcount
+def lowest_unit(p: int, t: float, num_units: int, load: NDArray[np.float64],
+                count: NDArray[np.int64], room: NDArray[np.int64], num_mb: int,
+                state: NDArray[np.int64], width: int, a_load: NDArray[np.float64],
+                a_room: NDArray[np.int64], w_room: NDArray[np.int64]) -> tuple[int, float]:
+    """(unit, end) of the first candidate unit of lowest ``load + t`` for ``p`` padded tokens:
+    room >= p or count < num_mb; (-1, inf) when no unit is a candidate."""
+    if p > state[0]:
+        # Rare: the candidate set may shrink, so every unit is sorted again.
+        state[0] = p
+        put_units(0, num_units - 1, load, count, room, num_mb, state, width, a_load, a_room,
+                  w_room)
+    else:
+        state[0] = p
+        while w_room[1] >= p:
+            node = 1
+            while node < width:
+                node = 2 * node + (w_room[2 * node] < p)
+            u = node - width
+            a_load[node] = load[u]
+            a_room[node] = room[u]
+            w_room[node] = -1
+            _fix_one(u, width, a_load, a_room, w_room)
+    low = a_load[1]
+    if low == np.inf:
+        return -1, np.inf
+    end = low + t
+    # The first unit whose end rounds to ``end``: a subtree's lowest load gives its lowest end.
+    node = 1
+    while node < width:
+        node = 2 * node + (a_load[2 * node] + t > end)
+    return node - width, end
+
+
+@no_refcount
+def tightest(bb: int, p: int, room_cap: int, blk_ng: NDArray[np.int64],
+             blk_g: NDArray[np.int64], g_fill: NDArray[np.int64]) -> int:
+    """The least room a group of block ``bb`` (flat index) has left after taking ``p`` tokens
+    (``room_cap`` when none holds them)."""
+    room = room_cap
+    for r in range(blk_ng[bb]):
+        left = room_cap - g_fill[blk_g[bb, r]] - p
+        if 0 <= left < room:
+            room = left
+    return room
+
+
+@no_refcount
+def best_fit(p: int, t: float, limit: float, off: int, width: int, first: int, room_cap: int,
+             t_load: NDArray[np.float64], t_room: NDArray[np.int64], check_room: bool,
+             load: NDArray[np.float64], blk_ng: NDArray[np.int64], blk_g: NDArray[np.int64],
+             g_fill: NDArray[np.int64], stack: NDArray[np.int64]) -> tuple[int, float]:
+    """Pack mode's best fit: (block, end) of the lowest (room a group has left after taking
+    ``p``, block) among blocks with a group that holds ``p`` and ``load + t <= limit``; (-1, inf)
+    when there is none.
+
+    Walks a tree (nodes at ``off``, ``width`` leaves, block b's arrays at ``first + b``) whose
+    ``t_load`` is, at a node, at most the load of every candidate below it (+inf at a leaf that
+    is none) and, with ``check_room``, whose ``t_room`` is at least their rooms (a leaf's: its
+    own), leftmost leaves first, skipping subtrees that cannot hold a candidate; an exact fit
+    (no room left) ends the walk, since later blocks cannot beat it.
+    """
     best_b = -1
+    best_room = room_cap + 1
+    best_end = np.inf
     top = 0
     stack[0] = 1
-    stack[1] = 0
-    stack_bound[0] = _bound(off + 1, p, t, open_cost, t_load, t_open, t_room)
     while top >= 0:
-        j = stack[2 * top]
-        first = stack[2 * top + 1]
-        bound = stack_bound[top]
+        node = stack[top]
         top -= 1
-        # Descend from j to a leaf, always to the better child, queueing the other one.
-        span = w
-        d = j
-        while d > 1:
-            d //= 2
-            span //= 2
-        while True:
-            if bound > best_end or (bound == best_end and first > best_b):
+        low = t_load[off + node]
+        if low == np.inf or low + t > limit or (check_room and t_room[off + node] < p):
+            continue
+        if node < width:
+            stack[top + 1] = 2 * node + 1
+            stack[top + 2] = 2 * node
+            top += 2
+            continue
+        b = node - width
+        room = tightest(first + b, p, room_cap, blk_ng, blk_g, g_fill)
+        if room < best_room:
+            best_room = room
+            best_b = b
+            best_end = load[first + b] + t
+            if room == 0:
                 break
-            if j >= w:
-                # A leaf: the bound is its exact end (joining beats opening on one block).
-                best_end = bound
-                best_b = j - w
-                break
-            span //= 2
-            left = _bound(off + 2 * j, p, t, open_cost, t_load, t_open, t_room)
-            right = _bound(off + 2 * j + 1, p, t, open_cost, t_load, t_open, t_room)
-            top += 1
-            if right < left:
-                stack[2 * top] = 2 * j
-                stack[2 * top + 1] = first
-                stack_bound[top] = left
-                j = 2 * j + 1
-                first += span
-                bound = right
-            else:
-                stack[2 * top] = 2 * j + 1
-                stack[2 * top + 1] = first + span
-                stack_bound[top] = right
-                j = 2 * j
-                bound = left
     return best_b, best_end

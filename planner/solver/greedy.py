@@ -42,7 +42,8 @@ from numpy.typing import NDArray
 
 from planner.solver.candidates import Rows, best_rows
 from planner.solver.emit import emit_rows
-from planner.solver.place import BALANCE, PACK, spread
+from planner.solver.place import BALANCE, PACK
+from planner.solver.spread import spread
 from planner.solver.step import (
     EXTRA_MICROBATCHES,
     HEAVY_SHARE,

@@ -37,15 +37,26 @@ import numba
 import numpy as np
 from numpy.typing import NDArray
 
-from planner.solver.blocktree import best_block, fix_up, set_leaf, tree_layout
+from planner.solver.blocktree import (
+    NO_THRESHOLD,
+    best_fit,
+    lowest_unit,
+    no_refcount,
+    put_units,
+    tightest,
+    tree_width,
+)
+from planner.solver.leveltree import level_layout, lowest_block, mark_blocks, put_blocks
 
 BALANCE = 0
 PACK = 1
-TREE_MIN_BLOCKS = 128
-"""Blocks of the smallest size from which the search tree beats the scan (same answer either
-way), measured as a balance pass of 16 N segments on the Wikipedia lengths, scan vs tree: N = 64
-0.20 vs 0.22 ms, 128 0.54 vs 0.51, 256 1.96 vs 1.65; at 1024 the scan took about 20 ms, the
-tree 10.8 before its lowest-load shortcut (blocktree.py) and 7.3 with it."""
+UNIT_TREE_MIN = 128
+LEVEL_TREE_MIN = 256
+"""The smallest size asks its tree (blocktree.py) from UNIT_TREE_MIN units, a larger size its
+tree (leveltree.py) from LEVEL_TREE_MIN blocks; fewer are scanned, which is cheaper there (the
+same answers either way). A balance pass on the 1M Wikipedia lengths (BENCHMARKS.md, issue 24):
+the unit tree at N = 128 0.34 ms instead of 0.83 scanning; level trees at 128 blocks cost more
+than they save (N = 1024: 4.9 ms with them at levels of 128 blocks, 4.2 without)."""
 
 
 @numba.njit(cache=True)
@@ -63,14 +74,16 @@ def block_layout(sizes: NDArray[np.int64], pool_size: int
     return num_blocks, offset
 
 
-@numba.njit(cache=True)
+@no_refcount
 def _add(lv: int, b: int, dload: float, dcount: int, sizes: NDArray[np.int64],
-         offset: NDArray[np.int64], bload: NDArray[np.float64], bcount: NDArray[np.int64]) -> None:
+         offset: NDArray[np.int64], bload: NDArray[np.float64],
+         bcount: NDArray[np.int64]) -> int:
     """Add ``dload`` >= 0 and ``dcount`` >= 0 to every rank of block (lv, b); keep every block's
     max load and max count exact.
 
     Loads and counts only grow, so an enclosing block's max is the larger of its own and the
     grown block's, and the walk up stops at the first enclosing block that does not change.
+    Returns the largest level whose enclosing block changed (``lv`` if none did).
     """
     for sub in range(lv + 1):
         r = sizes[lv] // sizes[sub]
@@ -83,24 +96,11 @@ def _add(lv: int, b: int, dload: float, dcount: int, sizes: NDArray[np.int64],
         blk //= sizes[up] // sizes[up - 1]
         parent = offset[up] + blk
         if bload[child] <= bload[parent] and bcount[child] <= bcount[parent]:
-            return
+            return up - 1
         bload[parent] = max(bload[parent], bload[child])
         bcount[parent] = max(bcount[parent], bcount[child])
         child = parent
-
-
-@numba.njit(cache=True)
-def _refresh(lv: int, b: int, sizes: NDArray[np.int64], bload: NDArray[np.float64],
-             bcount: NDArray[np.int64], blk_room: NDArray[np.int64], num_mb: int,
-             width: NDArray[np.int64], base: NDArray[np.int64], t_load: NDArray[np.float64],
-             t_open: NDArray[np.float64], t_room: NDArray[np.int64],
-             t_arg: NDArray[np.int64]) -> None:
-    """Mirror into the smallest size's search tree the blocks ``_add(lv, b, ...)`` changed."""
-    r = sizes[lv] // sizes[0]
-    for j in range(b * r, (b + 1) * r):
-        set_leaf(0, j, bload[j], bcount[j] < num_mb, blk_room[j], width, base, t_load, t_open,
-                 t_room, t_arg)
-    fix_up(0, b * r, (b + 1) * r - 1, width, base, t_load, t_open, t_room, t_arg)
+    return len(sizes) - 1
 
 
 @numba.njit(cache=True)
@@ -119,7 +119,7 @@ def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.f
           min_level: NDArray[np.int64], order: NDArray[np.int64], sizes: NDArray[np.int64],
           capacity: int, pool_size: int, c: NDArray[np.float64], num_mb: int, target: float,
           mode: int, to_come: float, forced_level: NDArray[np.int64],
-          forced_block: NDArray[np.int64],
+          forced_block: NDArray[np.int64], unit_tree_blocks: int, level_tree_blocks: int,
           item_level: NDArray[np.int64], item_group: NDArray[np.int64],
           g_level: NDArray[np.int64], g_block: NDArray[np.int64]) -> tuple[int, float]:
     """Place every segment; (number of groups, makespan), or (-1, inf) if one fits nowhere.
@@ -129,6 +129,12 @@ def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.f
     ``work_to_come`` of the tables. The tables' rows may come in any order (``order`` says which
     to place when); step.py passes them already in placement order, which reads them one after
     another instead of at random: 0.64x a balance pass at N = 1024, 0.75x at 256.
+
+    Search. A level of many blocks (``unit_tree_blocks`` at the smallest size,
+    ``level_tree_blocks`` above: UNIT_TREE_MIN and LEVEL_TREE_MIN) is asked through a tree in
+    O(log N): blocktree.py at the smallest size, leveltree.py above it; pack mode's best fit
+    walks the same trees (``best_fit``). Other levels are scanned. Either way the pick is the
+    lowest (end, block) the scan finds (tests/planner/solver/test_blocktree.py compares them).
     """
     n = len(order)
     num_levels = len(sizes)
@@ -144,21 +150,35 @@ def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.f
     blk_room = np.full(total_blocks, -1, dtype=np.int64)
     g_fill = np.zeros(n, dtype=np.int64)
     num_groups = 0
-    # Balance mode asks a search tree (blocktree.py) instead of scanning every block at the
-    # smallest size, which nearly every segment searches. Larger sizes are searched rarely
-    # (0.6% of searches at N = 1024): a tree's upkeep on every placement costs more there.
-    use_tree = mode == BALANCE and num_blocks[0] >= TREE_MIN_BLOCKS
-    width, tbase = tree_layout(num_blocks[:1])
-    t_load = np.full(tbase[-1], np.inf, dtype=np.float64)
-    t_open = np.full(tbase[-1], np.inf, dtype=np.float64)
-    t_room = np.full(tbase[-1], -1, dtype=np.int64)
-    t_arg = np.full(tbase[-1], -1, dtype=np.int64)
-    stack = np.empty(2 * 66, dtype=np.int64)
-    stack_bound = np.empty(66, dtype=np.float64)
-    if use_tree:
-        for b in range(num_blocks[0]):
-            set_leaf(0, b, base, num_mb > 0, -1, width, tbase, t_load, t_open, t_room, t_arg)
-        fix_up(0, 0, num_blocks[0] - 1, width, tbase, t_load, t_open, t_room, t_arg)
+    units = num_blocks[0]
+    width = tree_width(units)
+    a_load = np.full(2 * width, np.inf, dtype=np.float64)
+    a_room = np.full(2 * width, -1, dtype=np.int64)
+    w_room = np.full(2 * width, -1, dtype=np.int64)
+    state = np.full(1, NO_THRESHOLD, dtype=np.int64)
+    stack = np.empty(130, dtype=np.int64)
+    # The smallest size asks its tree from unit_tree_blocks units, larger sizes from
+    # level_tree_blocks blocks (levels 1..tree_top; block counts fall with the level).
+    trees = units >= unit_tree_blocks
+    tree_top = 0 if trees else -1
+    while trees and tree_top + 1 < num_levels and num_blocks[tree_top + 1] >= level_tree_blocks:
+        tree_top += 1
+    if trees:
+        put_units(0, units - 1, bload, bcount, blk_room, num_mb, state, width, a_load, a_room,
+                  w_room)
+    # Level trees for the larger sizes.
+    l_width, l_base = level_layout(num_blocks)
+    j_load = np.full(l_base[-1], np.inf, dtype=np.float64)
+    o_load = np.full(l_base[-1], np.inf, dtype=np.float64)
+    l_room = np.full(l_base[-1], -1, dtype=np.int64)
+    thr = np.full(num_levels, NO_THRESHOLD, dtype=np.int64)
+    dirty = np.zeros(total_blocks, dtype=np.bool_)
+    d_list = np.empty(total_blocks, dtype=np.int64)
+    n_dirty = np.zeros(num_levels, dtype=np.int64)
+    if trees:
+        for lv in range(1, tree_top + 1):
+            put_blocks(lv, 0, num_blocks[lv] - 1, offset[lv], bload, bcount, blk_room, num_mb,
+                       thr, l_width, l_base, j_load, o_load, l_room)
     # Once some rank ends above the target, anything that ends below that rank is free.
     limit = max(target, base)
     # Rank-seconds placed so far and still to come (at the cheapest sizes): an option that
@@ -190,32 +210,43 @@ def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.f
                 best_b = -1
                 fit_end = np.inf
                 fit_b = -1
-                fit_room = 0
-                if use_tree and lv == 0:
-                    best_b, best_end = best_block(lv, p, t, open_cost, width, tbase, t_load,
-                                                  t_open, t_room, t_arg, stack, stack_bound)
-                for b in range(0 if use_tree and lv == 0 else num_blocks[lv]):
-                    bb = offset[lv] + b
-                    if blk_room[bb] >= p:
-                        end = bload[bb] + t
-                        if mode == PACK and end <= limit:
-                            room = sizes[lv] * capacity
-                            for q in range(blk_ng[bb]):
-                                g = blk_g[bb, q]
-                                left = sizes[lv] * capacity - g_fill[g] - p
-                                if 0 <= left < room:
-                                    room = left
-                            if fit_b < 0 or room < fit_room:
-                                fit_b = b
-                                fit_room = room
-                                fit_end = end
-                    elif bcount[bb] < num_mb:
-                        end = bload[bb] + t + open_cost
-                    else:
-                        continue
-                    if end < best_end:
-                        best_end = end
-                        best_b = b
+                if trees and lv == 0:
+                    best_b, best_end = lowest_unit(p, t, units, bload, bcount, blk_room, num_mb,
+                                                   state, width, a_load, a_room, w_room)
+                    if mode == PACK:
+                        fit_b, fit_end = best_fit(p, t, limit, 0, width, 0, sizes[0] * capacity,
+                                                  a_load, a_room, True, bload, blk_ng, blk_g,
+                                                  g_fill, stack)
+                elif lv <= tree_top:
+                    best_b, best_end = lowest_block(lv, p, t, open_cost, num_blocks[lv],
+                                                    offset[lv], bload, bcount, blk_room, num_mb,
+                                                    thr, dirty, d_list, n_dirty, l_width,
+                                                    l_base, j_load, o_load, l_room)
+                    if mode == PACK:
+                        fit_b, fit_end = best_fit(p, t, limit, l_base[lv], l_width[lv],
+                                                  offset[lv], sizes[lv] * capacity, j_load,
+                                                  l_room, False, bload, blk_ng, blk_g, g_fill,
+                                                  stack)
+                else:
+                    fit_room = 0
+                    for b in range(num_blocks[lv]):
+                        bb = offset[lv] + b
+                        if blk_room[bb] >= p:
+                            end = bload[bb] + t
+                            if mode == PACK and end <= limit:
+                                room = tightest(bb, p, sizes[lv] * capacity, blk_ng, blk_g,
+                                                g_fill)
+                                if fit_b < 0 or room < fit_room:
+                                    fit_b = b
+                                    fit_room = room
+                                    fit_end = end
+                        elif bcount[bb] < num_mb:
+                            end = bload[bb] + t + open_cost
+                        else:
+                            continue
+                        if end < best_end:
+                            best_end = end
+                            best_b = b
                 if fit_b >= 0:
                     best_b = fit_b
                     best_end = fit_end
@@ -248,7 +279,7 @@ def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.f
         if g_pick >= 0:
             g_fill[g_pick] += p
             placed += time[i, lv_pick] * sizes[lv_pick]
-            _add(lv_pick, b_pick, time[i, lv_pick], 0, sizes, offset, bload, bcount)
+            top = _add(lv_pick, b_pick, time[i, lv_pick], 0, sizes, offset, bload, bcount)
         else:
             g_pick = num_groups
             num_groups += 1
@@ -258,15 +289,25 @@ def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.f
             blk_g[bb, blk_ng[bb]] = g_pick
             blk_ng[bb] += 1
             placed += (time[i, lv_pick] + (sizes[lv_pick] - k0) * c[2]) * sizes[lv_pick]
-            _add(lv_pick, b_pick, time[i, lv_pick] + (sizes[lv_pick] - k0) * c[2], 1, sizes,
-                 offset, bload, bcount)
+            top = _add(lv_pick, b_pick, time[i, lv_pick] + (sizes[lv_pick] - k0) * c[2], 1,
+                       sizes, offset, bload, bcount)
         room = -1
         for q in range(blk_ng[bb]):
             room = max(room, room_cap - g_fill[blk_g[bb, q]])
         blk_room[bb] = room
-        if use_tree:
-            _refresh(lv_pick, b_pick, sizes, bload, bcount, blk_room, num_mb, width, tbase,
-                     t_load, t_open, t_room, t_arg)
+        if trees:
+            # The blocks _add changed: every block inside (lv_pick, b_pick), and the enclosing
+            # ones up to level ``top``.
+            r = sizes[lv_pick] // k0
+            put_units(b_pick * r, (b_pick + 1) * r - 1, bload, bcount, blk_room, num_mb, state,
+                      width, a_load, a_room, w_room)
+            for lv in range(1, min(lv_pick, tree_top) + 1):
+                r = sizes[lv_pick] // sizes[lv]
+                mark_blocks(lv, b_pick * r, (b_pick + 1) * r - 1, offset[lv], num_blocks[lv],
+                            dirty, d_list, n_dirty)
+            for lv in range(max(lv_pick + 1, 1), min(top, tree_top) + 1):
+                blk = b_pick * sizes[lv_pick] // sizes[lv]
+                mark_blocks(lv, blk, blk, offset[lv], num_blocks[lv], dirty, d_list, n_dirty)
         limit = max(limit, bload[bb])
         item_level[i] = lv_pick
         item_group[i] = g_pick
@@ -274,97 +315,3 @@ def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.f
     for u in range(num_blocks[0]):
         makespan = max(makespan, bload[u])
     return num_groups, makespan
-
-
-@numba.njit(cache=True)
-def spread(padded: NDArray[np.int64], order: NDArray[np.int64], item_level: NDArray[np.int64],
-           item_group: NDArray[np.int64], g_level: NDArray[np.int64], g_block: NDArray[np.int64],
-           num_groups: int, sizes: NDArray[np.int64], capacity: int, pool_size: int,
-           num_mb: int) -> int:
-    """Spread each unit's smallest-size groups over its free microbatches; the new group count.
-
-    A unit's k0 groups and its fillers all cost the k0 fixed time, so re-packing its k0 segments
-    into more groups (worst fit, heaviest first) changes no rank's load: it only turns fillers
-    into real groups, which lowers the activation peak and leaves no microbatch of fillers only
-    when M was rounded up to the microbatch multiple. A unit whose re-pack fails keeps its groups.
-    """
-    num_blocks, offset = block_layout(sizes, pool_size)
-    total_blocks = offset[-1] + num_blocks[-1]
-    blk_ng = np.zeros(total_blocks, dtype=np.int64)
-    for g in range(num_groups):
-        blk_ng[offset[g_level[g]] + g_block[g]] += 1
-    count = blk_ng[:num_blocks[0]].copy()
-    for u in range(num_blocks[0]):
-        b = u
-        for lv in range(1, len(sizes)):
-            b = b // (sizes[lv] // sizes[lv - 1])
-            count[u] += blk_ng[offset[lv] + b]
-    # Each unit's k0 groups (ascending) and k0 segments (in placement order), bucketed once:
-    # the pass below then costs O(segments + groups), not O(units x segments).
-    n = len(order)
-    units = num_blocks[0]
-    g_start = np.zeros(units + 1, dtype=np.int64)
-    for g in range(num_groups):
-        if g_level[g] == 0:
-            g_start[g_block[g] + 1] += 1
-    i_start = np.zeros(units + 1, dtype=np.int64)
-    for i in range(n):
-        if item_level[i] == 0:
-            i_start[g_block[item_group[i]] + 1] += 1
-    for u in range(units):
-        g_start[u + 1] += g_start[u]
-        i_start[u + 1] += i_start[u]
-    unit_groups = np.empty(g_start[units], dtype=np.int64)
-    unit_order = np.empty(i_start[units], dtype=np.int64)
-    g_next = g_start[:units].copy()
-    i_next = i_start[:units].copy()
-    for g in range(num_groups):
-        if g_level[g] == 0:
-            u = g_block[g]
-            unit_groups[g_next[u]] = g
-            g_next[u] += 1
-    for j in range(n):
-        i = order[j]
-        if item_level[i] == 0:
-            u = g_block[item_group[i]]
-            unit_order[i_next[u]] = i
-            i_next[u] += 1
-    room = sizes[0] * capacity
-    bins = np.empty(num_mb, dtype=np.int64)
-    fill = np.empty(num_mb, dtype=np.int64)
-    new_group = np.empty(n, dtype=np.int64)
-    for u in range(units):
-        own = blk_ng[u]
-        extra = min(num_mb - count[u], i_start[u + 1] - i_start[u] - own)
-        if own == 0 or extra <= 0:
-            continue
-        num_bins = 0
-        for q in range(g_start[u], g_start[u + 1]):
-            bins[num_bins] = unit_groups[q]
-            num_bins += 1
-        for q in range(extra):
-            bins[num_bins + q] = num_groups + q
-        num_bins += extra
-        fill[:num_bins] = 0
-        ok = True
-        for q in range(i_start[u], i_start[u + 1]):
-            i = unit_order[q]
-            best = -1
-            for r in range(num_bins):
-                if fill[r] + padded[i, 0] <= room and (best < 0 or fill[r] < fill[best]):
-                    best = r
-            if best < 0:
-                ok = False
-                break
-            fill[best] += padded[i, 0]
-            new_group[i] = bins[best]
-        if not ok:
-            continue
-        for q in range(i_start[u], i_start[u + 1]):
-            i = unit_order[q]
-            item_group[i] = new_group[i]
-        for q in range(extra):
-            g_level[num_groups + q] = 0
-            g_block[num_groups + q] = u
-        num_groups += extra
-    return num_groups

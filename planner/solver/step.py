@@ -22,7 +22,14 @@ from planner.cost import CostModel
 from planner.groups import pad_multiple
 from planner.solver.bounds import full_pool_bound, malleable_bound
 from planner.solver.items import ItemTables, item_tables
-from planner.solver.place import BALANCE, PACK, place, work_to_come
+from planner.solver.place import (
+    BALANCE,
+    LEVEL_TREE_MIN,
+    PACK,
+    UNIT_TREE_MIN,
+    place,
+    work_to_come,
+)
 
 SOLVER_NAME = "greedy-lpt"
 SOLVER_VERSION = 4
@@ -288,7 +295,8 @@ class StepProblem:
         self.spent[0] += n * (2 * p.pool_size // int(p.sizes[0]))
         num_groups, seconds = place(q.padded, q.fits, q.time, q.min_level, q.rows, p.sizes,
                                     p.capacity, p.pool_size, p.cost, num_mb, target, mode,
-                                    q.to_come, forced_level, forced_block, placed_level,
+                                    q.to_come, forced_level, forced_block,
+                                    UNIT_TREE_MIN, LEVEL_TREE_MIN, placed_level,
                                     placed_group, g_level, g_block)
         if num_groups < 0:
             return None
