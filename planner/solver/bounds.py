@@ -27,13 +27,16 @@ from numpy.typing import NDArray
 
 @numba.njit(cache=True)
 def malleable_bound(lone: NDArray[np.float64], work: NDArray[np.float64],
-                    fits: NDArray[np.bool_], pool_size: int) -> float:
-    """T* (see the module docstring) from items.ItemTables' ``lone``, ``work`` and ``fits``."""
-    n, num_levels = lone.shape
+                    fits: NDArray[np.bool_], rows: NDArray[np.int64], pool_size: int) -> float:
+    """T* (see the module docstring) of the segments of table rows ``rows`` (items.RunTables'
+    ``lone``, ``work`` and ``fits``), in step order."""
+    n = len(rows)
+    num_levels = lone.shape[1]
     if n == 0:
         return 0.0
     floor = 0.0
-    for i in range(n):
+    for q in range(n):
+        i = rows[q]
         best = np.inf
         for lv in range(num_levels):
             if fits[i, lv] and lone[i, lv] < best:
@@ -42,10 +45,11 @@ def malleable_bound(lone: NDArray[np.float64], work: NDArray[np.float64],
     # Each item's level at T = floor: the smallest level whose time is within it.
     cur = np.empty(n, dtype=np.int64)
     total = 0.0
-    for i in range(n):
+    for q in range(n):
+        i = rows[q]
         for lv in range(num_levels):
             if fits[i, lv] and lone[i, lv] <= floor:
-                cur[i] = lv
+                cur[q] = lv
                 total += work[i, lv]
                 break
     upper = total / pool_size
@@ -58,11 +62,12 @@ def malleable_bound(lone: NDArray[np.float64], work: NDArray[np.float64],
     ev_dw = np.empty(n * num_levels, dtype=np.float64)
     records = np.empty(num_levels, dtype=np.int64)
     num = 0
-    for i in range(n):
-        prev = cur[i]
+    for q in range(n):
+        i = rows[q]
+        prev = cur[q]
         run_min = np.inf
         num_rec = 0
-        for lv in range(cur[i]):
+        for lv in range(cur[q]):
             if fits[i, lv] and lone[i, lv] < run_min:
                 run_min = lone[i, lv]
                 records[num_rec] = lv
@@ -93,8 +98,8 @@ def malleable_bound(lone: NDArray[np.float64], work: NDArray[np.float64],
 @numba.njit(cache=True)
 def full_pool_bound(padded: NDArray[np.int64], time: NDArray[np.float64],
                     work: NDArray[np.float64], fits: NDArray[np.bool_],
-                    min_level: NDArray[np.int64], sizes: NDArray[np.int64], capacity: int,
-                    cost: NDArray[np.float64]) -> float:
+                    min_level: NDArray[np.int64], rows: NDArray[np.int64],
+                    sizes: NDArray[np.int64], capacity: int, cost: NDArray[np.float64]) -> float:
     """The bound where segments need the whole pool (0 when none does), without fixed costs.
 
     A segment whose only fitting size is the whole pool N runs in a group of all N ranks, which
@@ -110,9 +115,14 @@ def full_pool_bound(padded: NDArray[np.int64], time: NDArray[np.float64],
     takes the maximum of one such segment's time and the average work, which undercounts a
     full-pool segment next to work that cannot shrink below it.
     """
-    n, num_levels = time.shape
+    num_levels = time.shape[1]
     top = num_levels - 1
-    if not (min_level == top).any():
+    needs_pool = False
+    for i in rows:
+        if min_level[i] == top:
+            needs_pool = True
+            break
+    if not needs_pool:
         return 0.0
     pool = sizes[top]
     k0 = sizes[0]
@@ -120,7 +130,7 @@ def full_pool_bound(padded: NDArray[np.int64], time: NDArray[np.float64],
     full_tokens = 0
     rest_work = 0.0
     rest_single = 0.0
-    for i in range(n):
+    for i in rows:
         if min_level[i] == top:
             full_time += time[i, top]
             full_tokens += padded[i, top]

@@ -60,7 +60,10 @@ def solve_heavy(problem: StepProblem, best: Placement
     base = int(round(m * problem.fixed_per_microbatch / unit))
     is_heavy = np.zeros(n, dtype=np.bool_)
     is_heavy[heavy] = True
-    light = float(sum(t.time[i, t.min_level[i]] * sizes[t.min_level[i]]
+    # Each segment's table rows (items.py: one row per distinct length).
+    time, fits, padded = t.run.time[t.row], t.run.fits[t.row], t.run.padded[t.row]
+    min_level = t.cheapest()
+    light = float(sum(time[i, min_level[i]] * sizes[min_level[i]]
                       for i in np.flatnonzero(~is_heavy)))
     light_units = int(round(light / unit))
     upper = int(np.ceil(best.seconds / unit))
@@ -74,16 +77,16 @@ def solve_heavy(problem: StepProblem, best: Placement
     members: dict[tuple[int, int], list[tuple[cp_model.IntVar, int]]] = {}
     for i in heavy.tolist():
         options: list[cp_model.IntVar] = []
-        for lv in range(int(t.min_level[i]), len(sizes)):
-            if not t.fits[i, lv]:
+        for lv in range(int(min_level[i]), len(sizes)):
+            if not fits[i, lv]:
                 continue
             k = int(sizes[lv])
-            cost = int(round(t.time[i, lv] / unit))
+            cost = int(round(time[i, lv] / unit))
             for b in range(int(num_blocks[lv])):
                 x = model.new_bool_var(f"x{i}_{lv}_{b}")
                 choice[(i, lv, b)] = x
                 options.append(x)
-                members.setdefault((lv, b), []).append((x, int(t.padded[i, lv])))
+                members.setdefault((lv, b), []).append((x, int(padded[i, lv])))
                 # The segment's share of its group occupies every unit of the block.
                 for u in range(b * (k // k0), (b + 1) * (k // k0)):
                     cover[u].append((x, cost))

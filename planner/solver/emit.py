@@ -33,7 +33,10 @@ def emit_rows(sample: NDArray[np.int64], offset: NDArray[np.int64], tokens: NDAr
               ) -> tuple[NDArray[np.int32], NDArray[np.int32], NDArray[np.int32],
                          NDArray[np.int64], NDArray[np.int64], NDArray[np.int32],
                          NDArray[np.int32]]:
-    """The step's 7 plan columns (all but ``step``), sorted as the plan format demands."""
+    """The step's 7 plan columns (all but ``step``), sorted as the plan format demands.
+
+    ``padded``: each segment's padded length at its level (``item_level``); ``order``: the
+    placement order."""
     n = len(sample)
     num_levels = len(sizes)
     num_blocks, boff = block_layout(sizes, pool_size)
@@ -110,7 +113,7 @@ def emit_rows(sample: NDArray[np.int64], offset: NDArray[np.int64], tokens: NDAr
                 o_sample[row] = sample[i]
                 o_offset[row] = offset[i]
                 o_tokens[row] = tokens[i]
-                o_padded[row] = padded[i, item_level[i]]
+                o_padded[row] = padded[i]
                 row += 1
         else:
             o_mb[row] = grp_mb[g]

@@ -42,6 +42,7 @@ from numpy.typing import NDArray
 
 from planner.solver.candidates import Rows, best_rows
 from planner.solver.emit import emit_rows
+from planner.solver.items import RunTables
 from planner.solver.place import BALANCE, PACK
 from planner.solver.spread import spread
 from planner.solver.step import (
@@ -191,10 +192,13 @@ def solve_step(problem: StepProblem) -> Placement:
 
 
 def assign_step(sample_index: NDArray[np.int64], token_offset: NDArray[np.int64],
-                num_tokens: NDArray[np.int64], params: PackingParams) -> StepAssignment:
-    """Place one step's segments (each fits some allowed group) into groups and microbatches."""
+                num_tokens: NDArray[np.int64], params: PackingParams,
+                run: RunTables | None = None) -> StepAssignment:
+    """Place one step's segments (each fits some allowed group) into groups and microbatches;
+    ``run``: tables holding every length of the step (step.run_tables), shared by a run's
+    steps (None: built for this step)."""
     tokens = np.asarray(num_tokens, np.int64)
-    problem = make_problem(tokens, params)
+    problem = make_problem(tokens, params, run)
     best = solve_step(problem)
     t = problem.tables
     g_level = np.empty(len(tokens), np.int64)
@@ -202,13 +206,13 @@ def assign_step(sample_index: NDArray[np.int64], token_offset: NDArray[np.int64]
     g_level[:best.num_groups] = best.g_level
     g_block[:best.num_groups] = best.g_block
     item_group = best.item_group.copy()
-    num_groups = spread(t.padded, t.order, best.item_level, item_group, g_level, g_block,
-                        best.num_groups, params.sizes, params.capacity, params.pool_size,
-                        best.num_mb)
+    num_groups = spread(t.run.padded[t.row, 0], t.order, best.item_level, item_group, g_level,
+                        g_block, best.num_groups, params.sizes, params.capacity,
+                        params.pool_size, best.num_mb)
     mb, start, k, sample, offset, ntok, padded = emit_rows(
         np.asarray(sample_index, np.int64), np.asarray(token_offset, np.int64), tokens,
-        t.padded, t.order, best.item_level, item_group, g_level, g_block, num_groups,
-        params.sizes, params.pool_size, best.num_mb, int(params.multiples[0]))
+        t.at(best.item_level), t.order, best.item_level, item_group, g_level, g_block,
+        num_groups, params.sizes, params.pool_size, best.num_mb, int(params.multiples[0]))
     bound = problem.tight_bound(min_microbatches(t, params))
     scored = best_rows(
         Rows(mb, start, k, sample, offset, ntok, padded), np.asarray(sample_index, np.int64),

@@ -7,12 +7,14 @@ anywhere gives the same steps as in this process.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import NDArray
 
 from planner.solver.greedy import PackingParams, StepAssignment, assign_step
+from planner.solver.step import run_tables
 
 CHUNKS_PER_WORKER = 4
 """Step ranges per worker (several, so a range of heavy steps does not leave the others idle)."""
@@ -39,14 +41,20 @@ class StepJobs:
                         tokens=self.tokens[a:b], bounds=self.bounds[first:last + 1] - a)
 
 
-def plan_chunk(args: tuple[StepJobs, PackingParams]) -> list[StepAssignment]:
-    """Every step of a chunk, in order (one argument: what ``Pool.imap`` passes)."""
-    jobs, params = args
-    out = []
+def plan_each(jobs: StepJobs, params: PackingParams) -> Iterator[StepAssignment]:
+    """Every step of ``jobs``, in order, each as it is made; the tables of their lengths are
+    built once for all of them (step.run_tables)."""
+    if not jobs.num_steps:
+        return
+    run = run_tables(jobs.tokens, params)
     for j in range(jobs.num_steps):
         a, b = int(jobs.bounds[j]), int(jobs.bounds[j + 1])
-        out.append(assign_step(jobs.sample[a:b], jobs.offset[a:b], jobs.tokens[a:b], params))
-    return out
+        yield assign_step(jobs.sample[a:b], jobs.offset[a:b], jobs.tokens[a:b], params, run)
+
+
+def plan_chunk(args: tuple[StepJobs, PackingParams]) -> list[StepAssignment]:
+    """Every step of a chunk, in order (one argument: what ``Pool.imap`` passes)."""
+    return list(plan_each(*args))
 
 
 def plan_range(jobs: StepJobs, params: PackingParams, first: int, last: int

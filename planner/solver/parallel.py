@@ -26,7 +26,7 @@ import numpy as np
 
 from planner.config import ENGINES
 from planner.solver.greedy import PackingParams, StepAssignment
-from planner.solver.jobs import CHUNKS_PER_WORKER, StepJobs, plan_chunk
+from planner.solver.jobs import CHUNKS_PER_WORKER, StepJobs, plan_chunk, plan_each
 
 MIN_STEPS_PER_WORKER = 8
 
@@ -51,8 +51,8 @@ def plan_steps(jobs: StepJobs, params: PackingParams, workers: int = 1,
     n = jobs.num_steps
     workers = min(workers, max(1, n // MIN_STEPS_PER_WORKER))
     if workers <= 1:
-        for j in range(n):
-            yield from plan_chunk((jobs.chunk(j, j + 1), params))
+        for j, out in enumerate(plan_each(jobs, params)):
+            yield out
             if progress is not None:
                 progress(j + 1)
         return

@@ -105,18 +105,18 @@ def _add(lv: int, b: int, dload: float, dcount: int, sizes: NDArray[np.int64],
 
 @numba.njit(cache=True)
 def work_to_come(time: NDArray[np.float64], min_level: NDArray[np.int64],
-                 sizes: NDArray[np.int64]) -> float:
-    """Rank-seconds of every segment at its cheapest size, summed in row order (``place`` keeps
-    what is still to come; the sum's order fixes its last bits, so callers sum the same rows)."""
+                 sizes: NDArray[np.int64], rows: NDArray[np.int64]) -> float:
+    """Rank-seconds of the segments of table rows ``rows`` at their cheapest sizes, summed in
+    step order (``place`` keeps what is still to come; the sum's order fixes its last bits)."""
     total = 0.0
-    for i in range(len(min_level)):
+    for i in rows:
         total += time[i, min_level[i]] * sizes[min_level[i]]
     return total
 
 
 @numba.njit(cache=True)
 def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.float64],
-          min_level: NDArray[np.int64], order: NDArray[np.int64], sizes: NDArray[np.int64],
+          min_level: NDArray[np.int64], rows: NDArray[np.int64], sizes: NDArray[np.int64],
           capacity: int, pool_size: int, c: NDArray[np.float64], num_mb: int, target: float,
           mode: int, to_come: float, forced_level: NDArray[np.int64],
           forced_block: NDArray[np.int64], unit_tree_blocks: int, level_tree_blocks: int,
@@ -124,11 +124,11 @@ def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.f
           g_level: NDArray[np.int64], g_block: NDArray[np.int64]) -> tuple[int, float]:
     """Place every segment; (number of groups, makespan), or (-1, inf) if one fits nowhere.
 
-    Outputs: ``item_level``/``item_group`` per segment, ``g_level``/``g_block`` per group (in
-    creation order, which emit.py keeps among the groups of one block). ``to_come`` is
-    ``work_to_come`` of the tables. The tables' rows may come in any order (``order`` says which
-    to place when); step.py passes them already in placement order, which reads them one after
-    another instead of at random: 0.64x a balance pass at N = 1024, 0.75x at 256.
+    The j-th segment placed has table row ``rows[j]`` (items.py: tables per distinct length,
+    rows in order of work, so a step in placement order reads them forwards); ``forced_*`` and
+    the outputs ``item_level``/``item_group`` are per placement position j, ``g_level``/
+    ``g_block`` per group (in creation order, which emit.py keeps among the groups of one
+    block). ``to_come`` is ``work_to_come`` of the step.
 
     Search. A level of many blocks (``unit_tree_blocks`` at the smallest size,
     ``level_tree_blocks`` above: UNIT_TREE_MIN and LEVEL_TREE_MIN) is asked through a tree in
@@ -136,7 +136,7 @@ def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.f
     walks the same trees (``best_fit``). Other levels are scanned. Either way the pick is the
     lowest (end, block) the scan finds (tests/planner/solver/test_blocktree.py compares them).
     """
-    n = len(order)
+    n = len(rows)
     num_levels = len(sizes)
     num_blocks, offset = block_layout(sizes, pool_size)
     total_blocks = offset[-1] + num_blocks[-1]
@@ -186,13 +186,13 @@ def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.f
     # wide group (low end, much work) does not win by merely pushing every rank up.
     placed = base * pool_size
     for j in range(n):
-        i = order[j]
+        i = rows[j]
         to_come -= time[i, min_level[i]] * sizes[min_level[i]]
         lv_pick = -1
         b_pick = -1
-        if forced_level[i] >= 0:
-            lv_pick = forced_level[i]
-            b_pick = forced_block[i]
+        if forced_level[j] >= 0:
+            lv_pick = forced_level[j]
+            b_pick = forced_block[j]
             bb = offset[lv_pick] + b_pick
             if blk_room[bb] < padded[i, lv_pick] and bcount[bb] >= num_mb:
                 return -1, np.inf
@@ -309,8 +309,8 @@ def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.f
                 blk = b_pick * sizes[lv_pick] // sizes[lv]
                 mark_blocks(lv, blk, blk, offset[lv], num_blocks[lv], dirty, d_list, n_dirty)
         limit = max(limit, bload[bb])
-        item_level[i] = lv_pick
-        item_group[i] = g_pick
+        item_level[j] = lv_pick
+        item_group[j] = g_pick
     makespan = 0.0
     for u in range(num_blocks[0]):
         makespan = max(makespan, bload[u])

@@ -13,11 +13,14 @@ from planner.solver.place import block_layout
 
 
 @numba.njit(cache=True)
-def spread(padded: NDArray[np.int64], order: NDArray[np.int64], item_level: NDArray[np.int64],
+def spread(padded0: NDArray[np.int64], order: NDArray[np.int64], item_level: NDArray[np.int64],
            item_group: NDArray[np.int64], g_level: NDArray[np.int64], g_block: NDArray[np.int64],
            num_groups: int, sizes: NDArray[np.int64], capacity: int, pool_size: int,
            num_mb: int) -> int:
     """Spread each unit's smallest-size groups over its free microbatches; the new group count.
+
+    ``padded0``: each segment's padded length at the smallest size; ``order``: the placement
+    order.
 
     A unit's k0 groups and its fillers all cost the k0 fixed time, so re-packing its k0 segments
     into more groups (worst fit, heaviest first) changes no rank's load: it only turns fillers
@@ -87,12 +90,12 @@ def spread(padded: NDArray[np.int64], order: NDArray[np.int64], item_level: NDAr
             i = unit_order[q]
             best = -1
             for r in range(num_bins):
-                if fill[r] + padded[i, 0] <= room and (best < 0 or fill[r] < fill[best]):
+                if fill[r] + padded0[i] <= room and (best < 0 or fill[r] < fill[best]):
                     best = r
             if best < 0:
                 ok = False
                 break
-            fill[best] += padded[i, 0]
+            fill[best] += padded0[i]
             new_group[i] = bins[best]
         if not ok:
             continue

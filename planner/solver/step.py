@@ -21,7 +21,7 @@ from planner.config import PlannerConfig
 from planner.cost import CostModel
 from planner.groups import pad_multiple
 from planner.solver.bounds import full_pool_bound, malleable_bound
-from planner.solver.items import ItemTables, item_tables
+from planner.solver.items import ItemTables, RunTables
 from planner.solver.place import (
     BALANCE,
     LEVEL_TREE_MIN,
@@ -210,23 +210,16 @@ class Placement:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class InOrder:
-    """The kernel's tables with their rows in placement order (``ItemTables.order``), and the
-    work to come summed over the original rows (the kernel's scores need those exact bits)."""
+    """What the kernel reads besides the run's tables: each segment's table row in placement
+    order, and the work to come summed in step order (the kernel's scores need those bits)."""
 
-    padded: NDArray[np.int64]
-    fits: NDArray[np.bool_]
-    time: NDArray[np.float64]
-    min_level: NDArray[np.int64]
     rows: NDArray[np.int64]
-    """0..n-1: the order in which the kernel places these rows."""
     to_come: float
 
     @classmethod
     def of(cls, t: ItemTables, sizes: NDArray[np.int64]) -> InOrder:
-        o = t.order
-        return cls(padded=t.padded[o], fits=t.fits[o], time=t.time[o], min_level=t.min_level[o],
-                   rows=np.arange(len(o), dtype=np.int64),
-                   to_come=float(work_to_come(t.time, t.min_level, sizes)))
+        return cls(rows=t.row[t.order],
+                   to_come=float(work_to_come(t.run.time, t.run.min_level, sizes, t.row)))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -246,15 +239,14 @@ class StepProblem:
 
     def fill(self, num_mb: int) -> float:
         """Padded tokens (each segment at its smallest size) over N x C x ``num_mb``."""
-        t = self.tables
-        need = int(t.padded[np.arange(len(t.order)), t.min_level].sum())
+        need = int(self.tables.at(self.tables.cheapest()).sum())
         return need / (self.params.pool_size * self.params.capacity * num_mb)
 
     def heavy_share(self) -> float:
         """Share of the step's work (each segment at its cheapest size) in its heaviest
         ``cpsat_items`` segments: what CP-SAT's model can move."""
         t = self.tables
-        work = t.work[np.arange(len(t.order)), t.min_level]
+        work = t.run.work[t.row, t.cheapest()]
         total = float(work.sum())
         return float(work[t.order[:self.params.cpsat_items]].sum()) / total if total > 0 else 0.0
 
@@ -282,6 +274,7 @@ class StepProblem:
         """One kernel pass; None when some segment fits nowhere with ``num_mb`` microbatches."""
         t = self.tables
         q = self.in_order
+        r = t.run
         n = len(t.order)
         p = self.params
         if forced is None:
@@ -293,7 +286,7 @@ class StepProblem:
         g_level = np.empty(n, np.int64)
         g_block = np.empty(n, np.int64)
         self.spent[0] += n * (2 * p.pool_size // int(p.sizes[0]))
-        num_groups, seconds = place(q.padded, q.fits, q.time, q.min_level, q.rows, p.sizes,
+        num_groups, seconds = place(r.padded, r.fits, r.time, r.min_level, q.rows, p.sizes,
                                     p.capacity, p.pool_size, p.cost, num_mb, target, mode,
                                     q.to_come, forced_level, forced_block,
                                     UNIT_TREE_MIN, LEVEL_TREE_MIN, placed_level,
@@ -304,7 +297,7 @@ class StepProblem:
         item_group = np.empty(n, np.int64)
         item_level[t.order] = placed_level
         item_group[t.order] = placed_group
-        padded = int(t.padded[np.arange(n), item_level].sum())
+        padded = int(t.at(item_level).sum())
         return Placement(num_mb=num_mb, seconds=seconds, padded=padded, num_groups=num_groups,
                          item_level=item_level, item_group=item_group,
                          g_level=g_level[:num_groups], g_block=g_block[:num_groups])
@@ -320,21 +313,30 @@ class StepProblem:
 
 def min_microbatches(tables: ItemTables, params: PackingParams) -> int:
     """ceil(padded tokens at the smallest sizes / (N C)), at least 1, rounded to the multiple."""
-    n = len(tables.order)
-    need = int(tables.padded[np.arange(n), tables.min_level].sum())
+    need = int(tables.at(tables.cheapest()).sum())
     m = max(1, -(-need // (params.pool_size * params.capacity)))
     mult = params.microbatch_multiple
     return -(-m // mult) * mult
 
 
-def make_problem(tokens: NDArray[np.int64], params: PackingParams) -> StepProblem:
-    """Tables and bound of one step's segments."""
-    t = item_tables(tokens, params.sizes, params.multiples, params.capacity, params.cost)
-    core = malleable_bound(t.lone, t.work, t.fits, params.pool_size) if len(tokens) else 0.0
+def run_tables(tokens: NDArray[np.int64], params: PackingParams) -> RunTables:
+    """The tables of every distinct length in ``tokens`` (a run's, or a worker's step range's:
+    built once and shared by their steps)."""
+    return RunTables.of(tokens, params.sizes, params.multiples, params.capacity, params.cost)
+
+
+def make_problem(tokens: NDArray[np.int64], params: PackingParams,
+                 run: RunTables | None = None) -> StepProblem:
+    """Tables and bound of one step's segments; ``run`` must hold every length of ``tokens``
+    (``run_tables``; built from ``tokens`` alone when None)."""
+    tokens = np.asarray(tokens, np.int64)
+    t = (run_tables(tokens, params) if run is None else run).step(tokens)
+    r = t.run
+    core = malleable_bound(r.lone, r.work, r.fits, t.row, params.pool_size) if len(tokens) else 0.0
     full = 0.0
     if len(tokens) and int(params.sizes[-1]) == params.pool_size:
-        full = full_pool_bound(t.padded, t.time, t.work, t.fits, t.min_level, params.sizes,
-                               params.capacity, params.cost)
+        full = full_pool_bound(r.padded, r.time, r.work, r.fits, r.min_level, t.row,
+                               params.sizes, params.capacity, params.cost)
     return StepProblem(tables=t, in_order=InOrder.of(t, params.sizes), params=params,
                        core_bound=float(core),
                        tight_core=max(float(core), float(full)), spent=[0.0])

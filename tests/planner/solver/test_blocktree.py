@@ -184,13 +184,14 @@ def test_a_pass_with_trees_places_as_the_scan_does(pool: int, seed: int, capacit
                       rng.integers(1, capacity, n)).astype(np.int64)
     problem = make_problem(tokens, params)
     q = problem.in_order
+    r = problem.tables.run
     m0 = min_microbatches(problem.tables, params)
     none = np.full(n, -1, np.int64)
 
     def run(tree_blocks: int, fl: np.ndarray, fb: np.ndarray, num_mb: int, target: float,
             mode: int) -> tuple[tuple[int, float], list[np.ndarray]]:
         arrays = [np.full(n, -7, np.int64) for _ in range(4)]
-        res = place(q.padded, q.fits, q.time, q.min_level, q.rows, k, capacity, pool,
+        res = place(r.padded, r.fits, r.time, r.min_level, q.rows, k, capacity, pool,
                     params.cost, num_mb, target, mode, q.to_come, fl, fb, tree_blocks, tree_blocks,
                     *arrays)
         return res, arrays

@@ -98,10 +98,11 @@ def test_malleable_bound_by_hand() -> None:
     lone = np.array([[100.0, 50.0, 25.0]] + [[10.0, 5.0, 2.5]] * 4)
     work = np.array([[100.0, 100.0, 100.0]] + [[10.0, 10.0, 10.0]] * 4)
     fits = np.ones((5, 3), dtype=np.bool_)
-    assert malleable_bound(lone, work, fits, 4) == pytest.approx(35.0)
+    rows = np.arange(5)
+    assert malleable_bound(lone, work, fits, rows, 4) == pytest.approx(35.0)
     work[0] = [100.0, 150.0, 250.0]
     # k = 2: time 50 and W = 190 -> max(50, 47.5) = 50; k = 4: W = 290 -> 72.5; k = 1: 100.
-    assert malleable_bound(lone, work, fits, 4) == pytest.approx(50.0)
+    assert malleable_bound(lone, work, fits, rows, 4) == pytest.approx(50.0)
 
 
 def test_size_counts_what_larger_groups_already_hold() -> None:
