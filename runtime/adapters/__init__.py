@@ -37,5 +37,7 @@ def load_launcher(name: str) -> Callable[..., int]:
     except ModuleNotFoundError as e:
         raise ValueError(f"--framework {name}: not available here ({e}); install the "
                          f"project's '{name}' extra") from e
+    except ImportError as e:  # installed, but a release the adapter does not support
+        raise ValueError(f"--framework {name}: {e}") from e
     launch: Callable[..., int] = module.launch
     return launch

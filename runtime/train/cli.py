@@ -42,6 +42,8 @@ from runtime.adapters import FRAMEWORKS, load_launcher
 from runtime.train.backends import ATTENTIONS
 from runtime.train.common import (
     DTYPES,
+    GRAD_SYNCS,
+    MegatronOptions,
     TrainConfig,
     process_group,
     require_one_process,
@@ -137,8 +139,33 @@ def _parser() -> argparse.ArgumentParser:
                    help="Megatron's spelling of --dtype bf16")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    mg = p.add_argument_group("Megatron-core", "--framework megatron only (Megatron-LM's names)")
+    mg.add_argument("--use-distributed-optimizer", action="store_true",
+                    help="Megatron's distributed optimizer: fp32 main weights and Adam state "
+                    "sharded over the pool, gradients reduce-scattered")
+    mg.add_argument("--overlap-grad-reduce", action="store_true",
+                    help="reduce gradient buckets during the last microbatch's backward")
+    mg.add_argument("--overlap-param-gather", action="store_true",
+                    help="all-gather parameter buckets during the next forward (needs "
+                    "--use-distributed-optimizer)")
+    mg.add_argument("--ddp-bucket-size", type=int, default=None, metavar="N",
+                    help="elements per gradient bucket (default: Megatron's, max(4e7, 1e6 x "
+                    "pool))")
+    mg.add_argument("--clip-grad", type=float, default=0.0, metavar="NORM",
+                    help="clip the global gradient norm (0: off; Megatron-LM's default is 1.0)")
+    mg.add_argument("--grad-sync", choices=GRAD_SYNCS, default="megatron-ddp",
+                    help="megatron-ddp (Megatron's DistributedDataParallel) or pool (the "
+                    "adapter's plain all-reduce per gradient, the benchmark baseline)")
     refuse(p, REFUSED)
     return p
+
+
+def _megatron_options(a: argparse.Namespace) -> MegatronOptions:
+    return MegatronOptions(use_distributed_optimizer=a.use_distributed_optimizer,
+                           overlap_grad_reduce=a.overlap_grad_reduce,
+                           overlap_param_gather=a.overlap_param_gather,
+                           ddp_bucket_size=a.ddp_bucket_size, clip_grad=a.clip_grad,
+                           grad_sync=a.grad_sync)
 
 
 def _plan_datasets(parser: argparse.ArgumentParser, plan: str) -> tuple[str, ...]:
@@ -182,9 +209,14 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, GPTConfi
                           eval_plan=a.eval_plan, eval_dataset=a.eval_dataset,
                           eval_interval=a.eval_interval, eval_steps=a.eval_steps,
                           skip_nonfinite_steps=a.skip_nonfinite_steps,
-                          distributed_timeout_minutes=a.distributed_timeout_minutes)
+                          distributed_timeout_minutes=a.distributed_timeout_minutes,
+                          megatron=_megatron_options(a))
     except ValueError as e:
         p.error(flag_message(str(e), TRAIN_FLAGS))
+    changed = cfg.megatron.changed()
+    if changed and a.framework != "megatron":
+        flags = ", ".join("--" + name.replace("_", "-") for name in changed)
+        p.error(f"{flags}: Megatron-core options; use them with --framework megatron")
     return cfg, model_config, a.reference, a.framework
 
 

@@ -31,6 +31,52 @@ from runtime.train.model import GPT, GPTConfig
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+GRAD_SYNCS = ("megatron-ddp", "pool")
+"""``--grad-sync`` under ``--framework megatron``: Megatron's ``DistributedDataParallel``, or the
+adapter's plain all-reduce per gradient (``PoolGradSync``: the baseline it is benchmarked
+against)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MegatronOptions:
+    """Megatron-core's data-parallel and optimizer settings (its flag names); only
+    ``--framework megatron`` reads them, the other engines refuse any that is not the default."""
+
+    use_distributed_optimizer: bool = False
+    """Megatron's distributed optimizer: optimizer state and fp32 master weights sharded over
+    the pool, gradients reduce-scattered, parameters all-gathered after the step."""
+    overlap_grad_reduce: bool = False
+    """Reduce gradient buckets during the backward of the step's last microbatch."""
+    overlap_param_gather: bool = False
+    """All-gather parameter buckets during the next forward (distributed optimizer only)."""
+    ddp_bucket_size: int | None = None
+    """Elements per gradient bucket (None: Megatron's default, max(4e7, 1e6 x pool))."""
+    clip_grad: float = 0.0
+    """Clip the global gradient norm to this value (0: off; Megatron-LM's default is 1.0)."""
+    grad_sync: str = "megatron-ddp"
+    """``megatron-ddp`` (Megatron's DistributedDataParallel) or ``pool`` (PoolGradSync)."""
+
+    def __post_init__(self) -> None:
+        if self.grad_sync not in GRAD_SYNCS:
+            raise ValueError(f"grad_sync must be one of {', '.join(GRAD_SYNCS)}, got "
+                             f"{self.grad_sync!r}")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
+        if self.grad_sync == "pool" and (self.use_distributed_optimizer
+                                         or self.overlap_grad_reduce):
+            raise ValueError("--grad-sync pool has no distributed optimizer and no overlap: "
+                             "drop --use-distributed-optimizer / --overlap-grad-reduce")
+        if self.ddp_bucket_size is not None and self.ddp_bucket_size < 1:
+            raise ValueError(f"--ddp-bucket-size must be >= 1, got {self.ddp_bucket_size}")
+        if not self.clip_grad >= 0:
+            raise ValueError(f"--clip-grad must be >= 0, got {self.clip_grad}")
+
+    def changed(self) -> list[str]:
+        """The fields that differ from the defaults (what another engine must refuse)."""
+        default = MegatronOptions()
+        return [f for f in self.__slots__ if getattr(self, f) != getattr(default, f)]
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     """Everything a training run needs besides the model shape."""
@@ -96,6 +142,8 @@ class TrainConfig:
     stopping the run."""
     distributed_timeout_minutes: float = 10.0
     """Timeout of every process group (Megatron's flag): a stalled rank ends the job."""
+    megatron: MegatronOptions = MegatronOptions()
+    """Megatron-core's DDP and optimizer settings (``--framework megatron`` only)."""
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTIONS:
@@ -139,6 +187,8 @@ class StepLog:
     seconds: float
     skipped: bool = False
     """The step's loss or gradients were not finite and its update was skipped."""
+    grad_norm: float | None = None
+    """The global gradient norm the optimizer reported (Megatron's), where it reports one."""
 
     def to_json(self) -> str:
         d: dict[str, Any] = {
@@ -146,6 +196,8 @@ class StepLog:
             "loss_tokens": self.loss_tokens, "microbatches": self.microbatches,
             "seconds": round(self.seconds, 6),
             "tokens_per_s": round(self.tokens / max(self.seconds, 1e-9), 1)}
+        if self.grad_norm is not None:
+            d["grad_norm"] = self.grad_norm
         if self.skipped:
             d["skipped"] = True
         return json.dumps(d)
@@ -224,8 +276,11 @@ class StepLogger:
     the run's summary (``run_summary``) as text on stderr, JSON on stdout (``--json``) and in
     ``--summary-json FILE``."""
 
-    def __init__(self, cfg: TrainConfig, enabled: bool) -> None:
+    def __init__(self, cfg: TrainConfig, enabled: bool,
+                 summary_fields: dict[str, Any] | None = None) -> None:
         self.enabled = enabled
+        self.summary_fields = dict(summary_fields or {})
+        """Facts of the engine that ran (framework, versions, ...), added to the summary."""
         self.cfg = cfg
         self.quiet = cfg.quiet
         self.file: IO[str] | None = None
@@ -263,7 +318,7 @@ class StepLogger:
             self.file = None
         if self.enabled and self.logs and (self.cfg.json or self.cfg.summary_json
                                            or not self.quiet):
-            summary = run_summary(self.cfg, self.logs)
+            summary = {**run_summary(self.cfg, self.logs), **self.summary_fields}
             if self.evals:
                 summary["evaluations"] = len(self.evals)
                 summary["eval_loss_last"] = self.evals[-1].eval_loss

@@ -84,9 +84,13 @@ def segment_loss_sum(logits_of: SegmentLogits, seq: torch.Tensor, labels: torch.
 
 def reference_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, reader: PlanReader,
                    source: TokenSource, step: int, vocab_size: int, cfg: TrainConfig,
-                   device: torch.device, logits_of: SegmentLogits) -> StepLog:
+                   device: torch.device, logits_of: SegmentLogits, *,
+                   clip_grad: float | None = None) -> StepLog:
     """One oracle step, every framework's: each segment alone, loss = sum / loss tokens of the
-    step (gradients likewise), the non-finite guard, then the optimizer."""
+    step (gradients likewise), the non-finite guard, then the optimizer.
+
+    ``clip_grad`` (an engine whose optimizer reports the gradient norm, Megatron's): the
+    global norm of the gradients is logged, and they are clipped to it when it is > 0."""
     t0 = time.perf_counter()
     optimizer.zero_grad(set_to_none=False)
     total, count, tokens = 0.0, 0.0, 0
@@ -100,13 +104,19 @@ def reference_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rea
     for p in model.parameters():
         if p.grad is not None:
             p.grad.div_(max(count, 1.0))
-    skipped = not nonfinite_ok(step, total / max(count, 1.0),
-                               [p.grad for p in model.parameters() if p.grad is not None],
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    skipped = not nonfinite_ok(step, total / max(count, 1.0), grads,
                                skip=cfg.skip_nonfinite_steps)
+    grad_norm = None
     if not skipped:
+        if clip_grad is not None:
+            norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad) if clip_grad
+                    else torch.nn.utils.get_total_norm(grads))
+            grad_norm = float(norm)
         optimizer.step()
     return StepLog(step=step, loss=total / max(count, 1.0), tokens=tokens, loss_tokens=int(count),
-                   microbatches=0, seconds=time.perf_counter() - t0, skipped=skipped)
+                   microbatches=0, seconds=time.perf_counter() - t0, skipped=skipped,
+                   grad_norm=grad_norm)
 
 
 def reference_eval(model: torch.nn.Module, reader: PlanReader, source: TokenSource,

@@ -67,59 +67,69 @@ def _self_group(timeout: timedelta | None) -> dist.ProcessGroup:
     return group
 
 
-def _collection(topology: Topology, catalog: GroupCatalog, self_group: dist.ProcessGroup,
-                tp: dist.ProcessGroup, pp: dist.ProcessGroup,
-                embd: dist.ProcessGroup | None) -> mcore.ProcessGroupCollection:
-    pgc = mcore.ProcessGroupCollection()
+def _collection(catalog: GroupCatalog, self_group: dist.ProcessGroup, *,
+                tp: dist.ProcessGroup, pp: dist.ProcessGroup, mp: dist.ProcessGroup,
+                tp_dp_cp: dist.ProcessGroup, embd: dist.ProcessGroup | None
+                ) -> mcore.ProcessGroupCollection:
+    """Every group Megatron's model, schedules, DDP and optimizers ask for.
+
+    A plan's job has no static CP and no expert parallelism, so the expert groups are their
+    dense twins (Megatron's defaults at ep 1: expert TP = TP, expert DP = the pool) and ``cp``
+    is this rank alone; one distributed-optimizer instance spans the world (``intra_dist_opt``,
+    the group the optimizers reduce gradient norms over) and ``inter_dist_opt`` is None.
+    """
     pool = catalog.pool_group if catalog.pool_group is not None else self_group
-    pgc.tp = tp
-    pgc.pp = pp
-    pgc.cp = self_group
-    pgc.tp_cp = tp
-    pgc.embd = embd
-    pgc.pos_embd = None  # RoPE: no position-embedding table to keep in sync
-    pgc.dp = pool
-    pgc.dp_cp = pool
-    pgc.intra_dp_cp = pool
-    del topology
-    return pgc
+    groups: dict[str, object] = {
+        "tp": tp, "pp": pp, "mp": mp, "embd": embd,
+        "pos_embd": None,  # RoPE: no position-embedding table to keep in sync
+        "cp": self_group, "tp_cp": tp, "hcp": None,
+        "ep": self_group, "expt_tp": tp, "tp_ep": tp, "tp_ep_pp": mp,
+        "tp_dp_cp": tp_dp_cp, "dp": pool, "dp_cp": pool, "intra_dp_cp": pool,
+        "expt_dp": pool, "intra_expt_dp": pool,
+        "inter_dist_opt": None, "intra_dist_opt": dist.group.WORLD,
+    }
+    return mcore.process_group_collection(groups)
 
 
 def create_groups(topology: Topology, cp_sizes: Sequence[int], *,
                   timeout: timedelta | None = None) -> MegatronGroups:
-    """Create every group a plan and Megatron's schedules need (collective, same args on every
-    rank); the default process group must span the topology's world. ``timeout`` bounds every
-    collective of every group created (``--distributed-timeout-minutes``; torch's ``new_group``
-    does not inherit the default group's); None keeps torch's default (30 min for gloo)."""
+    """Create every group a plan and Megatron's schedules, DDP and optimizers need (collective,
+    same args on every rank); the default process group must span the topology's world.
+    ``timeout`` bounds every collective of every group created (``--distributed-timeout-
+    minutes``; torch's ``new_group`` does not inherit the default group's); None keeps torch's
+    default (30 min for gloo)."""
     catalog = GroupCatalog.create(topology, cp_sizes, timeout=timeout)
     self_group = _self_group(timeout)
     t = topology
-    me = t.rank
+    pools, tps, pps = range(t.pool_size), range(t.tp), range(t.pp)
+
+    def mine(rank_lists: list[list[int]]) -> dist.ProcessGroup:
+        """Create one group per list (in order, on every rank); the one holding this rank."""
+        out = self_group
+        for ranks in rank_lists:
+            g = dist.new_group(ranks, timeout=timeout)
+            if t.rank in ranks:
+                out = g
+        return out
+
+    g = t.global_rank
     tp_group = pp_group = self_group
     embd: dist.ProcessGroup | None = None
     if t.tp > 1:
-        for pp_rank in range(t.pp):
-            for pool_rank in range(t.pool_size):
-                ranks = [t.global_rank(pool_rank, r, pp_rank) for r in range(t.tp)]
-                g = dist.new_group(ranks, timeout=timeout)
-                if me in ranks:
-                    tp_group = g
+        tp_group = mine([[g(n, r, p) for r in tps] for p in pps for n in pools])
     if t.pp > 1:
-        for pool_rank in range(t.pool_size):
-            for tp_rank in range(t.tp):
-                ranks = [t.global_rank(pool_rank, tp_rank, p) for p in range(t.pp)]
-                g = dist.new_group(ranks, timeout=timeout)
-                if me in ranks:
-                    pp_group = g
-        for pool_rank in range(t.pool_size):
-            for tp_rank in range(t.tp):
-                # The first and the last stage hold the two copies of tied embeddings.
-                ranks = [t.global_rank(pool_rank, tp_rank, 0),
-                         t.global_rank(pool_rank, tp_rank, t.pp - 1)]
-                g = dist.new_group(ranks, timeout=timeout)
-                if me in ranks:
-                    embd = g
-    pgc = _collection(topology, catalog, self_group, tp_group, pp_group, embd)
+        pp_group = mine([[g(n, r, p) for p in pps] for n in pools for r in tps])
+        # The first and the last stage hold the two copies of tied embeddings.
+        embd = mine([[g(n, r, 0), g(n, r, t.pp - 1)] for n in pools for r in tps])
+    # Model-parallel (tp x pp, one pool rank) and tp x pool (one stage) groups, made only where
+    # they differ from a group above or from the world.
+    mp_group = tp_group if t.pp == 1 else pp_group if t.tp == 1 else mine(
+        [[g(n, r, p) for p in pps for r in tps] for n in pools])
+    world: dist.ProcessGroup = dist.group.WORLD  # type: ignore[assignment]
+    tp_dp_cp = world if t.pp == 1 else mine(
+        [[g(n, r, p) for n in pools for r in tps] for p in pps])
+    pgc = _collection(catalog, self_group, tp=tp_group, pp=pp_group, mp=mp_group,
+                      tp_dp_cp=tp_dp_cp, embd=embd)
     return MegatronGroups(topology=topology, catalog=catalog, pg_collection=pgc,
                           self_group=self_group)
 

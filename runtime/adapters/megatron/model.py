@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,21 +50,16 @@ class ModelParallel:
     microbatch_group_size: int = 1
     """Megatron's ``microbatch_group_size_per_vp_stage`` (the plan's, default pp)."""
     dtype: torch.dtype = torch.float32
-    """Autocast dtype of the forward (fp32 master weights either way)."""
+    """Training dtype: bf16 is Megatron's mixed precision (``megatron_precision``, bf16
+    weights and fp32 main weights in the optimizer) or else autocast over fp32 weights."""
+    megatron_precision: bool = True
+    """bf16 as Megatron does it (``TransformerConfig.bf16``); False: autocast (the
+    ``PoolGradSync`` baseline and the oracle, whose optimizer is plain AdamW)."""
 
 
-def transformer_config(model: GPTConfig, par: ModelParallel) -> mcore.TransformerConfig:
-    """Megatron's ``TransformerConfig`` for ``model`` split as ``par``."""
-    if model.vocab_size % par.tp:
-        raise ValueError(f"vocab size {model.vocab_size} must be a multiple of tp {par.tp}")
-    if model.num_query_groups % par.tp:
-        raise ValueError(f"query groups {model.num_query_groups} must be a multiple of tp "
-                         f"{par.tp}")
-    stages = par.pp * par.vpp
-    if model.num_layers % stages:
-        raise ValueError(f"{model.num_layers} layers do not split into pp {par.pp} x vpp "
-                         f"{par.vpp} stages")
-    return mcore.TransformerConfig(
+def shape_fields(model: GPTConfig) -> dict[str, Any]:
+    """``TransformerConfig`` fields of ``dcp-train``'s model shape (Llama-like, no dropout)."""
+    return dict(
         num_layers=model.num_layers, hidden_size=model.hidden_size,
         num_attention_heads=model.num_heads, num_query_groups=model.num_query_groups,
         kv_channels=model.head_dim, ffn_hidden_size=model.ffn_size,
@@ -74,12 +70,21 @@ def transformer_config(model: GPTConfig, par: ModelParallel) -> mcore.Transforme
         # init_weights, so Megatron's own initialisation is skipped.
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
-        use_cpu_initialization=True, perform_initialization=False,
-        params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        use_cpu_initialization=True, perform_initialization=False)
+
+
+def plan_fields(par: ModelParallel) -> dict[str, Any]:
+    """The ``TransformerConfig`` fields a plan fixes: its split, the per-token loss, variable
+    THD lengths, no static CP, and the mixed precision of ``par.dtype`` (Megatron's bf16: bf16
+    weights; the optimizer keeps fp32 main weights)."""
+    bf16 = par.dtype == torch.bfloat16 and par.megatron_precision
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    return dict(
         tensor_model_parallel_size=par.tp, sequence_parallel=par.sequence_parallel,
         pipeline_model_parallel_size=par.pp,
         virtual_pipeline_model_parallel_size=par.vpp if par.vpp > 1 else None,
         microbatch_group_size_per_vp_stage=par.microbatch_group_size if par.vpp > 1 else None,
+        context_parallel_size=1,  # each microbatch binds its own group (binding.py)
         # Per-token loss (the plan's CP sizes vary); THD lengths vary between microbatches.
         calculate_per_token_loss=True, variable_seq_lengths=True,
         # 0.16.1 rejects variable_seq_lengths with the default MoE dispatcher even for a dense
@@ -88,7 +93,28 @@ def transformer_config(model: GPTConfig, par: ModelParallel) -> mcore.Transforme
         # The default "full" only triggers a deprecation warning; no CUDA graphs are used.
         cuda_graph_scope=[],
         batch_p2p_sync=False,
+        bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
     )
+
+
+def transformer_config(model: GPTConfig, par: ModelParallel) -> mcore.TransformerConfig:
+    """Megatron's ``TransformerConfig`` for ``model`` split as ``par``."""
+    check_split(par, vocab_size=model.vocab_size, num_query_groups=model.num_query_groups,
+                num_layers=model.num_layers)
+    return mcore.TransformerConfig(**shape_fields(model), **plan_fields(par))
+
+
+def check_split(par: ModelParallel, *, vocab_size: int | None = None,
+                num_query_groups: int | None = None, num_layers: int | None = None) -> None:
+    """The model divides as the plan splits it (ValueError naming the number that does not)."""
+    if vocab_size is not None and vocab_size % par.tp:
+        raise ValueError(f"vocab size {vocab_size} must be a multiple of tp {par.tp}")
+    if num_query_groups is not None and num_query_groups % par.tp:
+        raise ValueError(f"query groups {num_query_groups} must be a multiple of tp {par.tp}")
+    stages = par.pp * par.vpp
+    if num_layers is not None and num_layers % stages:
+        raise ValueError(f"{num_layers} layers do not split into pp {par.pp} x vpp "
+                         f"{par.vpp} stages")
 
 
 def layer_spec(config: mcore.TransformerConfig, *, attention: str, vp_stage: int | None,
@@ -108,26 +134,37 @@ def layer_spec(config: mcore.TransformerConfig, *, attention: str, vp_stage: int
                                             layer_norm=SequenceParallelRMSNorm)
 
 
+def gpt_chunk(model: GPTConfig, config: mcore.TransformerConfig,
+              pg_collection: mcore.ProcessGroupCollection, *, spec: object, pre_process: bool,
+              post_process: bool, vp_stage: int | None, max_sequence_length: int) -> nn.Module:
+    """One model chunk of ``dcp-train``'s shape (a model provider's body), weights not set."""
+    chunk: nn.Module = mcore.GPTModel(
+        config, spec, vocab_size=model.vocab_size, max_sequence_length=max_sequence_length,
+        pre_process=pre_process, post_process=post_process,
+        share_embeddings_and_output_weights=model.tie_embeddings,
+        position_embedding_type="rope", rotary_base=int(model.rope_theta),
+        pg_collection=pg_collection, vp_stage=vp_stage)
+    return chunk
+
+
 def build_chunks(model: GPTConfig, config: mcore.TransformerConfig,
                  pg_collection: mcore.ProcessGroupCollection, *, attention: str, pp_rank: int,
                  max_sequence_length: int) -> list[nn.Module]:
-    """This pipeline rank's model chunks (one per virtual stage), weights not yet set."""
+    """This pipeline rank's model chunks (one per virtual stage), weights not yet set (the
+    oracle's; a training job builds them through ``PlanJob.get_model``)."""
     pp = config.pipeline_model_parallel_size
     vpp = config.virtual_pipeline_model_parallel_size or 1
     # Built without the embedding group: GPTModel would all-reduce the tied embedding copies
-    # through .cuda() (language_module.py); init_weights writes equal copies on both stages, and
-    # the schedules still get the real group for the gradient all-reduce.
+    # through .cuda() (language_module.py); init_weights writes equal copies on both stages.
     build_pgc = _with(pg_collection, embd=None)
     chunks: list[nn.Module] = []
     for c in range(vpp):
         vp_stage = c if vpp > 1 else None
         spec = layer_spec(config, attention=attention, vp_stage=vp_stage, pp_rank=pp_rank)
-        chunks.append(mcore.GPTModel(
-            config, spec, vocab_size=model.vocab_size, max_sequence_length=max_sequence_length,
-            pre_process=pp_rank == 0 and c == 0, post_process=pp_rank == pp - 1 and c == vpp - 1,
-            share_embeddings_and_output_weights=model.tie_embeddings,
-            position_embedding_type="rope", rotary_base=int(model.rope_theta),
-            pg_collection=build_pgc, vp_stage=vp_stage))
+        chunks.append(gpt_chunk(model, config, build_pgc, spec=spec,
+                                pre_process=pp_rank == 0 and c == 0,
+                                post_process=pp_rank == pp - 1 and c == vpp - 1,
+                                vp_stage=vp_stage, max_sequence_length=max_sequence_length))
     return chunks
 
 
@@ -140,7 +177,8 @@ def _with(pgc: mcore.ProcessGroupCollection, **groups: object) -> mcore.ProcessG
     return out
 
 
-def _unwrap(chunk: nn.Module) -> nn.Module:
+def unwrap(chunk: nn.Module) -> nn.Module:
+    """The GPTModel inside DDP / Float16Module / PoolGradSync wrappers."""
     while hasattr(chunk, "module") and isinstance(chunk.module, nn.Module):
         chunk = chunk.module
     return chunk
@@ -148,7 +186,7 @@ def _unwrap(chunk: nn.Module) -> nn.Module:
 
 def global_names(chunk: nn.Module) -> dict[str, str]:
     """Local parameter name -> the name it has in the unsplit model (see module docstring)."""
-    inner = _unwrap(chunk)
+    inner = unwrap(chunk)
     out = {}
     decoder = getattr(inner, "decoder", None)
     layers = list(decoder.layers) if decoder is not None else []
@@ -208,7 +246,7 @@ def init_weights(chunks: list[nn.Module], model: GPTConfig, *, seed: int, tp: in
                  tp_rank: int) -> None:
     """Set every parameter to its slice of the split-independent full tensor."""
     for chunk in chunks:
-        inner = _unwrap(chunk)
+        inner = unwrap(chunk)
         names = global_names(inner)
         dims = partition_dims(inner)
         for name, p in inner.named_parameters():

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from runtime.adapters.megatron import patches
+from runtime.adapters.megatron import optim, patches
 from runtime.adapters.megatron.groups import create_groups
 from runtime.adapters.megatron.model import (
     ModelParallel,
@@ -47,7 +47,8 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
     if dist.get_world_size() != 1:
         raise ValueError("--reference runs in one process; launch it without torchrun")
     if cfg.save or cfg.resume:
-        raise ValueError("--framework megatron: --save/--resume are not supported yet")
+        raise ValueError("--reference --framework megatron saves no checkpoint: drop --save "
+                         "and --resume")
     device = resolve_device(cfg)
     patches.apply_patches(device)
     reader = PlanReader(cfg.plan)
@@ -63,8 +64,8 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
                               * header.parallel.pool_size)
         init_weights(chunks, model_config, seed=cfg.seed, tp=1, tp_rank=0)
         model = chunks[0].to(device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
-                                      weight_decay=cfg.weight_decay, foreach=False)
+        # Megatron's parameter groups (no weight decay on 1-D parameters), plain AdamW.
+        optimizer = optim.adamw(cfg, [model])
         eval_reader = eval_source = None
         if cfg.eval_plan:  # the same refusals as the distributed run
             eval_reader = PlanReader(cfg.eval_plan)
@@ -79,8 +80,13 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
             vocab = model_config.vocab_size
             for step in steps:
                 result.logs.append(reference_step(model, optimizer, reader, source, step, vocab,
-                                                  cfg, device, logits_of))
+                                                  cfg, device, logits_of,
+                                                  clip_grad=cfg.megatron.clip_grad))
                 logger.write(result.logs[-1])
+                if keep_state and step == steps[0]:  # the first step's gradients (tests)
+                    names = global_names(model)
+                    result.grads = {names[n]: p.grad.detach().cpu().clone()
+                                    for n, p in model.named_parameters() if p.grad is not None}
                 if eval_reader is not None and eval_source is not None \
                         and should_evaluate(cfg, step, steps[-1]):
                     result.evals.append(reference_eval(model, eval_reader, eval_source, cfg,

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 import types
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -71,11 +73,16 @@ class _TorchView(types.ModuleType):
         self.on_cpu = True
         self.cuda = _CpuCuda()
 
+    def _device(self, device: Any) -> Any:
+        return "cpu" if self.on_cpu and device == "cuda" else device
+
     def zeros(self, *size: Any, device: object = None, **kwargs: Any) -> torch.Tensor:
-        if self.on_cpu and device == "cuda":
-            device = "cpu"
-        out: torch.Tensor = torch.zeros(*size, device=device, **kwargs)  # type: ignore[call-overload]
+        out: torch.Tensor = torch.zeros(*size, device=self._device(device),
+                                        **kwargs)
         return out
+
+    def tensor(self, data: Any, *, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return torch.tensor(data, device=self._device(device), **kwargs)
 
 
 def _view(module: types.ModuleType) -> _TorchView:
@@ -114,6 +121,119 @@ def rotary_on_cpu() -> None:
     # models/common/embeddings/rotary_pos_embedding.py: inv_freq moved to
     # torch.cuda.current_device() unless use_cpu_initialization.
     _redirect(mcore.rotary_pos_embedding)
+
+
+def grad_buffers_on_cpu() -> None:
+    # distributed/param_and_grad_buffer.py: DistributedDataParallel's contiguous param and grad
+    # buffers are allocated on torch.cuda.current_device().
+    _redirect(mcore.param_and_grad_buffer)
+
+
+def optimizer_scalars_on_cpu() -> None:
+    # optimizer/optimizer.py, optimizer/distrib_optimizer.py, optimizer/clip_grads.py, utils.py: the
+    # optimizers keep found_inf / scale / norm scalars in torch.tensor(..., device="cuda") and
+    # allocate shard buffers on torch.cuda.current_device().
+    # utils.py's multi-tensor fallbacks (no Apex, no TE) return their norms in CUDA tensors.
+    for module in (mcore.optimizer_module, mcore.distrib_optimizer, mcore.optimizer_clip_grads,
+                   mcore.core_utils):
+        _redirect(module)
+
+
+_CUDA_TYPE_NAMES = {torch.float32: "torch.cuda.FloatTensor",
+                    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+                    torch.float16: "torch.cuda.HalfTensor"}
+
+
+@contextlib.contextmanager
+def _cuda_type_names(params: list[torch.Tensor]) -> Iterator[None]:
+    """Each CPU parameter's ``type()`` names its CUDA twin inside the block (an instance
+    attribute, removed afterwards: torch's method is untouched)."""
+    named = []
+    try:
+        for p in params:
+            name = _CUDA_TYPE_NAMES.get(p.dtype)
+            if name is not None and p.device.type == "cpu" and "type" not in vars(p):
+                p.type = functools.partial(_type_name, name)  # type: ignore[method-assign, assignment]
+                named.append(p)
+        yield
+    finally:
+        for p in named:
+            del p.type
+
+
+def _type_name(name: str, *args: Any, **kwargs: Any) -> str:
+    if args or kwargs:
+        raise TypeError("only type() without arguments is redirected")
+    return name
+
+
+def distributed_optimizer_accepts_cpu_params() -> None:
+    # optimizer/distrib_optimizer.py (_build_model_and_main_param_groups) sorts parameters by
+    # param.type() and refuses any that is not 'torch.cuda.FloatTensor', '...HalfTensor' or
+    # '...BFloat16Tensor'; a CPU tensor's type is 'torch.FloatTensor'. During that call only,
+    # the model's CPU parameters answer with their CUDA type name; every tensor operation is
+    # the same.
+    cls: Any = mcore.distrib_optimizer.DistributedOptimizer
+    original = cls._build_model_and_main_param_groups  # a classmethod here, bound to cls
+
+    def build(*args: Any, **kwargs: Any) -> Any:
+        # The parameters are the keys of the param -> grad-buffer map among the arguments.
+        params = [k for a in (*args, *kwargs.values()) if isinstance(a, dict)
+                  for k in a if isinstance(k, torch.Tensor)]
+        with _cuda_type_names(params):
+            return original(*args, **kwargs)
+
+    cls._build_model_and_main_param_groups = staticmethod(build)
+
+
+def gradient_clipping_accepts_cpu_grads() -> None:
+    # optimizer/clip_grads.py (clip_grad_by_total_norm_fp32, which optimizer/optimizer.py
+    # imports by name) asserts param.grad.type() == 'torch.cuda.FloatTensor' before clipping.
+    module: Any = mcore.optimizer_module
+    original = module.clip_grad_by_total_norm_fp32
+
+    def clip(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        grads = [p.grad for p in params if p.grad is not None]
+        with _cuda_type_names(grads):
+            return original(params, *args, **kwargs)
+
+    module.clip_grad_by_total_norm_fp32 = clip
+
+
+def checkpoint_writer_on_cpu() -> None:
+    # dist_checkpointing/strategies/filesystem_async.py (preload_tensors) calls
+    # torch.cuda.synchronize() after copying the tensors to write to the host, and
+    # state_dict_saver.py agrees on write failures in CUDA tensors.
+    _redirect(mcore.filesystem_async)
+    _redirect(mcore.state_dict_saver)
+
+
+def distributed_optimizer_restores_torch_adam_steps() -> None:
+    # optimizer/distrib_optimizer.py (load_state_dict), without Apex or TE (torch's AdamW, the
+    # CPU): it puts the checkpoint's step into one tensor shared by every parameter's state,
+    # then load_parameter_state_from_dp_reshardable copies the live optimizer's per-parameter
+    # step over it (0 in a fresh run), so a resumed run restarts Adam's bias correction; and
+    # AdamW would advance the shared tensor once per parameter. After the load, each state
+    # gets its own step tensor holding the checkpoint's step (its param group's).
+    cls: Any = mcore.distrib_optimizer.DistributedOptimizer
+    original = cls.load_state_dict
+
+    def load_state_dict(self: Any, state_dict: Any) -> None:
+        original(self, state_dict)
+        inner = self.optimizer
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            return
+        saved = state_dict["optimizer"]["param_groups"]
+        for group, saved_group in zip(inner.param_groups, saved, strict=True):
+            if "step" not in saved_group:
+                continue
+            for p in group["params"]:
+                state = inner.state.get(p)
+                if state is not None and "step" in state:
+                    state["step"] = torch.tensor(float(saved_group["step"]), dtype=torch.float32)
+
+    cls.load_state_dict = load_state_dict
 
 
 def rng_tracker_without_cuda() -> None:
@@ -156,7 +276,10 @@ def ensure_memory_buffer() -> None:
 
 def apply_cpu_patches() -> None:
     """Every CPU workaround (idempotent). Call before building the model."""
-    for fn in (schedules_token_count_on_cpu, p2p_buffers_on_cpu,
+    for fn in (schedules_token_count_on_cpu, p2p_buffers_on_cpu, grad_buffers_on_cpu,
+               optimizer_scalars_on_cpu, distributed_optimizer_accepts_cpu_params,
+               gradient_clipping_accepts_cpu_grads, checkpoint_writer_on_cpu,
+               distributed_optimizer_restores_torch_adam_steps,
                sequence_parallel_buffers_on_cpu, rotary_on_cpu, rng_tracker_without_cuda,
                memory_buffer_on_cpu):
         _once(fn.__name__, fn)
@@ -259,9 +382,86 @@ def pipeline_messages_tagged() -> None:
         setattr(view, "distributed", _DistWithTags("torch.distributed"))  # noqa: B010
 
 
+def quiet_upstream_warnings() -> None:
+    # Megatron's DDP and distributed optimizer call torch.distributed.all_gather_into_tensor and
+    # reduce_scatter_tensor, which torch 2.13 deprecates (a FutureWarning per call), and
+    # optimizer/optimizer.py reads .grad of non-leaf main-param views (a UserWarning each
+    # step); none concerns this project's use. Only these messages are silenced.
+    for message in (r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                    r"`torch\.distributed\.reduce_scatter_tensor` is deprecated"):
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a "
+                            r"leaf Tensor", category=UserWarning,
+                            module=r"megatron\.core\.optimizer")
+
+
+_STATE_GROUPS: contextvars.ContextVar[tuple[dist.ProcessGroup, dist.ProcessGroup] | None] = (
+    contextvars.ContextVar("megatron_state_groups", default=None))
+
+
+class _ParallelStateWithGroups(types.ModuleType):
+    """``megatron.core.parallel_state`` whose TP and DP ranks (and groups) are those bound by
+    ``checkpoint_groups`` while it is bound, and Megatron's global state otherwise."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(mcore.parallel_state, name)
+
+    @staticmethod
+    def _bound(index: int) -> dist.ProcessGroup | None:
+        groups = _STATE_GROUPS.get()
+        return None if groups is None else groups[index]
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        group = self._bound(0)
+        if group is None:
+            return int(mcore.parallel_state.get_tensor_model_parallel_rank())
+        return dist.get_rank(group)
+
+    def get_data_parallel_rank(self, with_context_parallel: bool = False,
+                               partial_data_parallel: bool = False) -> int:
+        group = self._bound(1)
+        if group is None:
+            return int(mcore.parallel_state.get_data_parallel_rank(
+                with_context_parallel=with_context_parallel,
+                partial_data_parallel=partial_data_parallel))
+        return dist.get_rank(group)  # the pool: no static CP, one optimizer instance
+
+    def get_data_parallel_group(self, with_context_parallel: bool = False,
+                                partial_data_parallel: bool = False) -> Any:
+        group = self._bound(1)
+        if group is None:
+            return mcore.parallel_state.get_data_parallel_group(
+                with_context_parallel=with_context_parallel,
+                partial_data_parallel=partial_data_parallel)
+        return group
+
+
+def sharded_state_uses_model_groups() -> None:
+    # models/common/language_module/language_module.py (the last stage's tied output weight)
+    # and transformer/utils.py (make_sharded_object_for_checkpoint: TE's extra state) take the
+    # replica ids of checkpoint shards from the global parallel_state, not from the model's
+    # pg_collection or the metadata's dp_cp_group, so a model built from a pg_collection fails
+    # ("data parallel group ... is not initialized"). The checkpoint binds the job's TP and
+    # pool groups around every sharded_state_dict call (checkpoint_groups).
+    for module in (mcore.language_module, mcore.transformer_utils):
+        if not isinstance(module.parallel_state, _ParallelStateWithGroups):
+            module.parallel_state = _ParallelStateWithGroups("parallel_state")  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def checkpoint_groups(tp: dist.ProcessGroup, pool: dist.ProcessGroup) -> Iterator[None]:
+    """Bind the TP and pool groups that ``sharded_state_uses_model_groups`` hands upstream."""
+    token = _STATE_GROUPS.set((tp, pool))
+    try:
+        yield
+    finally:
+        _STATE_GROUPS.reset(token)
+
+
 def apply_common_patches() -> None:
     """The device-independent workarounds (idempotent). Call after ``apply_cpu_patches``."""
-    for fn in (padding_mask_scatter_uses_model_group, pipeline_messages_tagged):
+    for fn in (padding_mask_scatter_uses_model_group, pipeline_messages_tagged,
+               quiet_upstream_warnings, sharded_state_uses_model_groups):
         _once(fn.__name__, fn)
 
 

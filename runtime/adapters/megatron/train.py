@@ -1,29 +1,36 @@
-"""``MegatronTrainer``: a plan replayed through Megatron-core's own schedules.
+"""``MegatronTrainer``: a plan replayed through Megatron-core's own engine, as ``dcp-train
+--framework megatron`` runs it, built from the public ``PlanJob`` API (``job.py``).
 
 One step:
 
-1. ``PlanBatches.data_iterator(step)`` and ``num_microbatches(step)`` from the plan (the count
-   varies by step; every pool rank gets the same).
-2. ``get_forward_backward_func(pp_size, vp_size)`` picks Megatron's schedule: no pipelining,
-   1F1B (``forward_backward_pipelining_without_interleaving``) or interleaved (vpp > 1). It calls
-   ``forward_step`` once per microbatch and chunk, runs the backward, and, because
-   ``config.finalize_model_grads_func`` is Megatron's ``finalize_model_grads``, ends with the
-   pool all-reduce of gradients (``PoolGradSync``), the TP all-reduce of sequence-parallel norm
-   gradients, the tied-embedding all-reduce between the first and last stage, and the division
-   of every gradient by the pool's token count.
-3. AdamW (``foreach=False``, as the oracle) on this rank's parameters.
+1. ``zero_grad_buffer`` on every chunk and ``optimizer.zero_grad()``;
+2. ``get_forward_backward_func(pp_size, vp_size)``'s schedule (no pipelining, 1F1B or
+   interleaved) over the step's ``PlanJob.data_iterator`` and ``num_microbatches``, with
+   ``PlanJob.forward_step`` (the microbatch's CP group bound into every layer, the per-token
+   loss). Megatron's ``DistributedDataParallel`` reduces the gradients over the pool (during
+   the last microbatch's backward with ``--overlap-grad-reduce``; reduce-scattered with
+   ``--use-distributed-optimizer``); ``finalize_model_grads`` adds the TP all-reduce of
+   sequence-parallel norm gradients and the tied-embedding all-reduce between the first and
+   last stage, and divides every gradient by the pool's token count;
+3. the non-finite guard over ``main_grad`` (every rank agrees), then Megatron's optimizer
+   (``FP32Optimizer``, bf16's ``Float16OptimizerWithFloat16Params`` or the
+   ``DistributedOptimizer``), which also clips (``--clip-grad``) and reports the gradient norm.
 
-``forward_step`` binds the microbatch's CP group into every layer for the forward only
-(``binding.bind_cp_group``) and hands ``loss.loss_func`` back to the schedule on the last stage.
-The step's logged loss is the sum of the last stage's ``"lm loss"`` reports, all-reduced over
-the pool and sent to pipeline rank 0, which writes the JSON line (the native trainer's format).
+``--grad-sync pool`` keeps the adapter's former path (``PoolGradSync`` and plain AdamW; bf16 as
+autocast over fp32 weights): the baseline the DDP path is benchmarked against. The step's
+logged loss is the sum of the last stage's ``"lm loss"`` reports over the pool, sent to
+pipeline rank 0, which writes the JSON line (the native trainer's format, plus ``grad_norm``).
+Checkpoints (``--save`` / ``--resume``) go through Megatron's ``dist_checkpointing``
+(``checkpoint.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
+import sys
 import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,53 +38,42 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.adapters.megatron import mcore, patches
-from runtime.adapters.megatron.batch import Batch, PlanBatches
-from runtime.adapters.megatron.binding import bind_cp_group
-from runtime.adapters.megatron.ddp import PoolGradSync
+from runtime.adapters.megatron import checkpoint, ddp, mcore, optim
 from runtime.adapters.megatron.evaluate import MegatronEvaluator
-from runtime.adapters.megatron.groups import MegatronGroups, create_groups
-from runtime.adapters.megatron.loss import loss_func
+from runtime.adapters.megatron.groups import MegatronGroups
+from runtime.adapters.megatron.job import PlanJob
 from runtime.adapters.megatron.model import (
-    ModelParallel,
-    build_chunks,
+    global_names,
+    gpt_chunk,
     init_weights,
-    transformer_config,
+    shape_fields,
+    unwrap,
 )
 from runtime.data.plan_reader import PlanReader
-from runtime.data.plan_source import check_plan_source, open_plan_source
 from runtime.data.tokens import TokenSource
-from runtime.dist.topology import Topology
 from runtime.train.common import (
-    DTYPES,
     EvalLog,
+    MegatronOptions,
     StepLog,
     StepLogger,
     TrainConfig,
     TrainResult,
-    pg_timeout,
+    checkpoint_meta,
     resolve_device,
     should_evaluate,
     step_range,
 )
-from runtime.train.guards import nonfinite_ok
 from runtime.train.model import GPTConfig
 
 ATTENTION_SPECS = {"reference": "plan", "te": "te"}
 """``--attention`` -> the core attention behind Megatron's spec (``model.layer_spec``)."""
 
 
-def model_parallel(reader: PlanReader, cfg: TrainConfig) -> ModelParallel:
-    """The model split the plan header asks for."""
-    p = reader.header.parallel
-    return ModelParallel(tp=p.tp, pp=p.pp, vpp=p.vpp, sequence_parallel=p.sequence_parallel,
-                         microbatch_group_size=p.microbatch_group_size, dtype=DTYPES[cfg.dtype])
-
-
 class MegatronTrainer:
     """Replays a plan through Megatron's schedules on this rank (process group initialised by
-    the caller). ``groups`` takes groups the caller owns (``groups_from_parallel_state``); by
-    default every group the plan needs is created here (collective)."""
+    the caller), built from the public ``PlanJob`` API. ``groups`` takes groups the caller owns
+    (``groups_from_parallel_state``); by default every group the plan needs is created here
+    (collective)."""
 
     def __init__(self, cfg: TrainConfig, model_config: GPTConfig, *,
                  reader: PlanReader | None = None, source: TokenSource | None = None,
@@ -85,113 +81,130 @@ class MegatronTrainer:
         if cfg.attention not in ATTENTION_SPECS:
             raise ValueError(f"--framework megatron: --attention {cfg.attention} is not "
                              f"available (choose {' or '.join(ATTENTION_SPECS)})")
-        if cfg.save or cfg.resume:
-            raise ValueError("--framework megatron: --save/--resume are not supported yet")
-        self.cfg = cfg
-        self.device = resolve_device(cfg)
-        patches.apply_patches(self.device)
-        self._owned: list[Any] = []
-        if reader is None:
-            reader = PlanReader(cfg.plan)
-            self._owned.append(reader)
-        if source is None:
-            # Read as the planner counted (bad records skipped), lengths and content checked.
-            source = open_plan_source(reader, cfg.dataset_paths, field=cfg.field)
-            self._owned.append(source)
-        else:
-            check_plan_source(reader, source)
-        self.reader, self.source = reader, source
-        header = reader.header
-        topology = Topology.from_header(header.parallel, rank=dist.get_rank(),
-                                        world_size=dist.get_world_size())
-        if groups is None:
-            groups = create_groups(topology, header.cp_sizes,
-                                   timeout=pg_timeout(cfg.distributed_timeout_minutes))
-        elif groups.topology != topology:
-            raise ValueError(f"groups built for {groups.topology}, the plan needs {topology}")
-        self.groups, self.topology = groups, topology
-        self.par = model_parallel(reader, cfg)
+        options = cfg.megatron
+        self.cfg, self.options = cfg, options
+        self.job = PlanJob(reader if reader is not None else cfg.plan,
+                           source if source is not None else cfg.dataset_paths,
+                           device=resolve_device(cfg), dtype=cfg.dtype, groups=groups,
+                           field=cfg.field, timeout_minutes=cfg.distributed_timeout_minutes,
+                           seed=cfg.seed, vocab_size=model_config.vocab_size,
+                           attention=ATTENTION_SPECS[cfg.attention])
+        try:
+            self._build(cfg, model_config, options)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, cfg: TrainConfig, model_config: GPTConfig,
+               options: MegatronOptions) -> None:
+        job = self.job
+        self.reader, self.source, self.device = job.reader, job.source, job.device
+        self.groups, self.topology = job.groups, job.topology
+        if options.grad_sync == "pool":  # the baseline: autocast over fp32 weights
+            job.parallel = replace(job.parallel, megatron_precision=False)
+        self.par = job.parallel
         self.model_config = model_config
-        self.config = transformer_config(model_config, self.par)
-        self.config.finalize_model_grads_func = mcore.finalize_model_grads
-        if self.device.type == "cuda":
-            mcore.tp_random.model_parallel_cuda_manual_seed(
-                cfg.seed, tp_rank=topology.tp_rank, ep_rank=0, etp_rank=0)
-        pgc = groups.pg_collection
-        chunks = build_chunks(model_config, self.config, pgc,
-                              attention=ATTENTION_SPECS[cfg.attention], pp_rank=topology.pp_rank,
-                              max_sequence_length=header.capacity_tokens_per_rank
-                              * header.parallel.pool_size)
-        init_weights(chunks, model_config, seed=cfg.seed, tp=topology.tp,
-                     tp_rank=topology.tp_rank)
-        self.chunks = [PoolGradSync(c.to(self.device), groups.pool_group) for c in chunks]
-        params = [p for c in self.chunks for p in c.parameters()]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                           foreach=False)
-        self.batches = PlanBatches(reader, source, groups, num_chunks=len(self.chunks),
-                                   device=self.device, vocab_size=model_config.vocab_size)
-        vpp = self.par.vpp if self.par.vpp > 1 else None
-        self.schedule = mcore.get_forward_backward_func(pp_size=self.par.pp, vp_size=vpp)
-        self.p2p = (patches.TaggedP2PCommunicator(pgc.pp, self.config) if self.par.pp > 1
-                    else None)
+        self.config = job.transformer_config(**shape_fields(model_config))
+        header = self.reader.header
+        max_len = header.capacity_tokens_per_rank * header.parallel.pool_size
+
+        def provider(*, pre_process: bool, post_process: bool, vp_stage: int | None,
+                     pg_collection: Any) -> nn.Module:
+            chunk = gpt_chunk(model_config, self.config, pg_collection,
+                              spec=job.layer_spec(self.config, vp_stage),
+                              pre_process=pre_process, post_process=post_process,
+                              vp_stage=vp_stage, max_sequence_length=max_len)
+            init_weights([chunk], model_config, seed=cfg.seed, tp=self.topology.tp,
+                         tp_rank=self.topology.tp_rank)
+            return chunk
+
+        self.chunks = job.get_model(provider, options=options)
+        if options.grad_sync == "pool":
+            self.optimizer: Any = optim.adamw(cfg, self.chunks)
+            self.optimizer_name = "adamw"
+            self.scheduler = None
+        else:
+            self.optimizer = job.get_optimizer(optim.optimizer_config(
+                cfg, bf16=bool(self.config.bf16)), self.chunks)
+            self.optimizer_name = optim.OPTIMIZER_NAMES[options.use_distributed_optimizer]
+            self.scheduler = optim.param_scheduler(cfg, self.optimizer)
+        self.schedule = mcore.get_forward_backward_func(pp_size=self.par.pp,
+                                                        vp_size=job.vp_size)
         self.rank = dist.get_rank()
+        self.start_step = 0
+        self.meta = checkpoint_meta(model_config, self.reader)
+        if cfg.save:  # before any step: a target that cannot take checkpoints fails now
+            error = ""
+            if self.rank == 0:
+                try:
+                    checkpoint.check_target(Path(cfg.save))
+                except ValueError as e:
+                    error = str(e)
+            checkpoint._agree(error)
+        if cfg.resume:
+            resumed = checkpoint.load(cfg.resume, chunks=self.chunks, optimizer=self.optimizer,
+                                      scheduler=self.scheduler, groups=self.groups,
+                                      options=options, expect_meta=self.meta)
+            self.start_step = resumed.next_step
+            if self.rank == 0:
+                print(f"dcp-train: resuming from {resumed.directory} at step "
+                      f"{resumed.next_step}", file=sys.stderr, flush=True)
         self.evaluator: MegatronEvaluator | None = None
         if cfg.eval_plan:
-            self.evaluator = MegatronEvaluator(cfg, reader, groups, num_chunks=len(self.chunks),
-                                               device=self.device,
+            self.evaluator = MegatronEvaluator(cfg, self.reader, self.groups,
+                                               num_chunks=len(self.chunks), device=self.device,
                                                vocab_size=model_config.vocab_size)
-            self._owned.append(self.evaluator)
+
+    @property
+    def summary_fields(self) -> dict[str, Any]:
+        """What ran, for the run summary (``--json`` / ``--summary-json``)."""
+        return {"framework": "megatron", "megatron_core": mcore.VERSION,
+                "grad_sync": self.options.grad_sync, "optimizer": self.optimizer_name,
+                "overlap_grad_reduce": self.options.overlap_grad_reduce,
+                "overlap_param_gather": self.options.overlap_param_gather,
+                "dtype": self.cfg.dtype}
 
     def forward_step(self, data_iterator: Any, model: nn.Module) -> tuple[Any, Any]:
-        """Megatron's ``forward_step_func``: one microbatch through one model chunk."""
-        batch: Batch = next(data_iterator)
-        psp = batch["packed_seq_params"]
-        autocast: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-        if self.par.dtype != torch.float32:
-            autocast = torch.autocast(self.device.type, dtype=self.par.dtype)
-        with bind_cp_group(model, psp.cp_group), \
-                patches.sequence_parallel_group(self.groups.pg_collection.tp), autocast:
-            output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
-                           packed_seq_params=psp, runtime_gather_output=True,
-                           padding_mask=batch["padding_mask"])
-        if batch["labels"] is None:  # not the last stage: the schedule sends output on
-            return output, None
-        return output, functools.partial(loss_func, batch["labels"], batch["loss_mask"])
+        """Megatron's ``forward_step_func`` (``PlanJob.forward_step``)."""
+        return self.job.forward_step(data_iterator, model)
 
     def step(self, step: int) -> StepLog:
         """One optimizer step (collective over the job); the returned log is rank 0's."""
         t0 = time.perf_counter()
-        for c in self.chunks:
+        chunks: list[Any] = self.chunks
+        for c in chunks:
             c.zero_grad_buffer()
-        num_microbatches = self.batches.num_microbatches(step)
-        reports = self.run_schedule(self.batches.data_iterator(step), num_microbatches, False)
-        loss_sum, count = self._step_loss(reports)
-        # Ranks hold different shards (TP) and stages (PP): all agree on the verdict.
-        grads = [p.grad for c in self.chunks for p in c.parameters() if p.grad is not None]
-        skipped = not nonfinite_ok(step, loss_sum / max(count, 1.0), grads,
-                                   skip=self.cfg.skip_nonfinite_steps, agree=True)
+        self.optimizer.zero_grad()
+        num_microbatches = self.job.num_microbatches(step)
+        reports = self.run_schedule(self.job.data_iterator(step), num_microbatches, False)
+        loss = self.job.step_loss(reports)
+        # Ranks hold different shards (TP, PP, the distributed optimizer): all agree.
+        skipped = not self.job.grads_finite(step, loss, self.chunks,
+                                            skip=self.cfg.skip_nonfinite_steps)
+        grad_norm = None
         if not skipped:
-            self.optimizer.step()
+            result = self.optimizer.step()
+            if isinstance(result, tuple):  # Megatron's: (success, grad norm, zeros in grad)
+                grad_norm = result[1]
+            if self.scheduler is not None:
+                self.scheduler.step(increment=1)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         tokens = int(np.asarray(self.reader.step(step).num_tokens, dtype=np.int64).sum())
-        return StepLog(step=step, loss=loss_sum / max(count, 1.0), tokens=tokens,
-                       loss_tokens=int(count), microbatches=num_microbatches,
-                       seconds=time.perf_counter() - t0, skipped=skipped)
+        return StepLog(step=step, loss=loss.loss, tokens=tokens, loss_tokens=loss.loss_tokens,
+                       microbatches=num_microbatches, seconds=time.perf_counter() - t0,
+                       skipped=skipped,
+                       grad_norm=None if grad_norm is None else float(grad_norm))
 
     def run_schedule(self, data_iterator: Any, num_microbatches: int, forward_only: bool
                      ) -> list[dict[str, torch.Tensor]]:
         """Megatron's schedule over ``num_microbatches`` microbatches; the last stage's
         ``"lm loss"`` reports (empty elsewhere)."""
-        kwargs: dict[str, Any] = {"pg_collection": self.groups.pg_collection}
-        if self.p2p is not None:
-            kwargs["p2p_communicator"] = self.p2p
         reports: list[dict[str, torch.Tensor]] = self.schedule(
-            forward_step_func=self.forward_step, data_iterator=data_iterator,
+            forward_step_func=self.job.forward_step, data_iterator=data_iterator,
             model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
-            num_microbatches=num_microbatches,
-            seq_length=self.reader.header.capacity_tokens_per_rank, micro_batch_size=1,
-            forward_only=forward_only, **kwargs)
+            num_microbatches=num_microbatches, seq_length=self.job.seq_length,
+            micro_batch_size=1, forward_only=forward_only, **self.job.schedule_kwargs)
         return reports
 
     def evaluate(self, at_step: int) -> EvalLog:
@@ -202,51 +215,57 @@ class MegatronTrainer:
                                   self._step_loss)
 
     def _step_loss(self, reports: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
-        """(loss sum, loss tokens) of the whole step, on every rank: summed over the last
-        stage's microbatches and the pool, then broadcast along the pipeline."""
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for r in reports:
-            total += r["lm loss"].to(self.device)
-        pool = self.groups.catalog.pool_group
-        if pool is not None:
-            dist.all_reduce(total, group=pool)
-        if self.topology.pp > 1:
-            pp_group = self.groups.pg_collection.pp
-            src = dist.get_global_rank(pp_group, pp_group.size() - 1)
-            dist.broadcast(total, src=src, group=pp_group)
-        loss_sum, count = total.tolist()
-        return loss_sum, count
+        loss = self.job.step_loss(reports)
+        return loss.loss * max(loss.loss_tokens, 1), float(loss.loss_tokens)
 
     def state(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters under their global (unsplit) names (tests)."""
-        from runtime.adapters.megatron.model import global_names
-
+        """This rank's parameters under their global (unsplit) names, in fp32 (tests)."""
+        ddp.sync_params(self.chunks, self.options)
         out = {}
         for c in self.chunks:
-            names = global_names(c.module)
-            for name, p in c.module.named_parameters():
-                out[names[name]] = p.detach().cpu().clone()
+            names = global_names(c)
+            for name, p in unwrap(c).named_parameters():
+                out[names[name]] = p.detach().float().cpu().clone()
+        return out
+
+    def reduced_grads(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Global name -> (flat indices, values) of this rank's reduced gradient elements of
+        the last step (tests: compared with the oracle's gradients)."""
+        out = {}
+        for c in self.chunks:
+            names = global_names(c)
+            for name, value in ddp.reduced_grads(c, self.options).items():
+                out[names[name]] = value
         return out
 
     def close(self) -> None:
         """Close the plan and dataset this trainer opened itself."""
-        for obj in self._owned:
+        for obj in (getattr(self, "evaluator", None), getattr(self, "job", None)):
             close = getattr(obj, "close", None)
             if close is not None:
                 close()
-        self._owned.clear()
 
-    def run(self) -> TrainResult:
-        """Steps [0, stop); rank 0 logs one JSON line per step."""
-        logger = StepLogger(self.cfg, enabled=self.rank == 0)
+    def run(self, after_step: Callable[[int], None] | None = None) -> TrainResult:
+        """Steps [start, stop); rank 0 logs one JSON line per step. ``after_step(step)`` runs
+        after each step's update (tests read the reduced gradients there)."""
+        logger = StepLogger(self.cfg, enabled=self.rank == 0, summary_fields=self.summary_fields)
         result = TrainResult()
         try:
-            steps = step_range(self.cfg, 0, self.reader.num_steps)
+            steps = step_range(self.cfg, self.start_step, self.reader.num_steps)
             logger.begin(len(steps))
             for step in steps:
                 log = self.step(step)
                 result.logs.append(log)
                 logger.write(log)
+                if after_step is not None:
+                    after_step(step)
+                cfg = self.cfg
+                if cfg.save and (step == steps[-1]
+                                 or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
+                    checkpoint.save(cfg.save, chunks=self.chunks, optimizer=self.optimizer,
+                                    scheduler=self.scheduler, groups=self.groups,
+                                    options=self.options,
+                                    next_step=step + 1, meta=self.meta)
                 if self.evaluator is not None and should_evaluate(self.cfg, step, steps[-1]):
                     ev = self.evaluate(step + 1)
                     result.evals.append(ev)

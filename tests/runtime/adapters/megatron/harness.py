@@ -69,8 +69,8 @@ def eval_set(tmp: Path, *, capacity: int = 32, batch: int = 8, long: int = 2,
 
 
 def cfg(plan_path: Path, data: Path, **kw: Any) -> TrainConfig:
-    return TrainConfig(plan=str(plan_path), dataset=str(data), steps=STEPS, seed=7, lr=3e-3,
-                       quiet=True, **kw)
+    return TrainConfig(**{"plan": str(plan_path), "dataset": str(data), "steps": STEPS,
+                          "seed": 7, "lr": 3e-3, "quiet": True, **kw})
 
 
 def train_rank(rank: int, world_size: int, store: str, config: TrainConfig,
@@ -81,11 +81,20 @@ def train_rank(rank: int, world_size: int, store: str, config: TrainConfig,
 
     torch.manual_seed(config.seed)
     trainer = MegatronTrainer(config, model)
+    grads: dict[str, Any] = {}
+
+    def keep_first_grads(step: int) -> None:
+        if step == 0:
+            grads.update(trainer.reduced_grads())
+
     try:
-        result = trainer.run()
+        result = trainer.run(after_step=keep_first_grads)
         t = trainer.topology
-        return {"logs": result.logs, "evals": result.evals, "state": trainer.state(),
-                "tp": t.tp, "tp_rank": t.tp_rank, "pool_rank": t.pool_rank}
+        state = trainer.state()
+        return {"logs": result.logs, "evals": result.evals, "state": state,
+                "grads": grads, "shapes": {n: tuple(v.shape) for n, v in state.items()},
+                "tp": t.tp, "tp_rank": t.tp_rank, "pool_rank": t.pool_rank,
+                "summary": trainer.summary_fields}
     finally:
         trainer.close()
 
@@ -99,13 +108,15 @@ def oracle_rank(rank: int, world_size: int, store: str, config: TrainConfig,
     return train_reference(replace(config, log_jsonl=""), model, keep_state=True)
 
 
-def unshard(ranks: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """Full parameters from the ranks of pool rank 0 (every TP rank, every stage)."""
+def unshard(ranks: list[dict[str, Any]], key: str = "state") -> dict[str, torch.Tensor]:
+    """Full parameters from the ranks of pool rank 0 (every TP rank, every stage); or, with
+    ``key="grads"``, the full reduced gradients (``local_grads``: the pool ranks' shards)."""
     mine = [r for r in ranks if r["pool_rank"] == 0]
     tp = mine[0]["tp"]
     by_name: dict[str, dict[int, torch.Tensor]] = {}
     for r in mine:
-        for name, t in r["state"].items():
+        local = r["state"] if key == "state" else local_grads(ranks, r)
+        for name, t in local.items():
             by_name.setdefault(name, {})[r["tp_rank"]] = t
     out = {}
     for name, parts in by_name.items():
@@ -123,12 +134,54 @@ def unshard(ranks: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     return out
 
 
-def assert_same_losses(got: list[Any], want: list[Any]) -> None:
-    assert [g.step for g in got] == [w.step for w in want] == list(range(STEPS))
+def local_grads(ranks: list[dict[str, Any]], me: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """``me``'s local (TP-split) reduced gradients, assembled from the elements every pool rank
+    of its tp rank and stage holds (all of them under a full reduction, one shard each under
+    the distributed optimizer). Every element must be held by some rank, and ranks that hold
+    the same element must hold the same value."""
+    peers = [r for r in ranks if r["tp_rank"] == me["tp_rank"]
+             and r["shapes"].keys() == me["shapes"].keys()]
+    out = {}
+    for name, shape in me["shapes"].items():
+        full = torch.full((int(np.prod(shape)),), float("nan"))
+        for r in peers:
+            if name not in r["grads"]:
+                continue
+            idx, values = r["grads"][name]
+            seen = ~torch.isnan(full[idx])
+            assert torch.equal(full[idx][seen], values[seen]), (name, "ranks disagree")
+            full[idx] = values
+        assert not torch.isnan(full).any(), (name, "elements no rank reduced")
+        out[name] = full.reshape(shape)
+    return out
+
+
+def assert_same_grads(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """Every parameter's reduced gradient equals the oracle's (relative 1e-5)."""
+    assert got.keys() == want.keys()
+    for name in want:
+        diff = float((got[name] - want[name]).norm() / want[name].norm())
+        assert diff <= TOL, (name, diff)
+
+
+def oracle(config: TrainConfig, model: GPTConfig) -> TrainResult:
+    """The oracle's run of ``config`` (its own process): logs, final weights, step-0 grads."""
+    from tests.dist import run_distributed
+
+    (ref,) = run_distributed(oracle_rank, 1, config, model, timeout=300)
+    result: TrainResult = ref
+    return result
+
+
+def assert_same_losses(got: list[Any], want: list[Any], steps: int = STEPS) -> None:
+    """Same steps, token counts, losses and (where reported) gradient norms (1e-5)."""
+    assert [g.step for g in got] == [w.step for w in want] == list(range(steps))
     for g, w in zip(got, want, strict=True):
         assert g.loss_tokens == w.loss_tokens, g.step
         assert g.tokens == w.tokens, g.step
         assert abs(g.loss - w.loss) <= TOL * abs(w.loss), (g.step, g.loss, w.loss)
+        if g.grad_norm is not None:
+            assert abs(g.grad_norm - w.grad_norm) <= TOL * abs(w.grad_norm), (g.step, g, w)
 
 
 def assert_same_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:

@@ -1,0 +1,341 @@
+"""``PlanJob``: a plan bound to this rank of a Megatron-core job; the adapter's public API.
+
+A Megatron user keeps their model provider, Megatron's DDP, optimizer and schedules; the plan
+brings the data, the per-microbatch CP groups and the loss. After ``init_process_group``::
+
+    job = PlanJob("plans/job.arrow", "data/train.jsonl", device="cuda")
+    config = job.transformer_config(num_layers=..., hidden_size=..., ...)   # + the plan's fields
+    model = job.get_model(model_provider, DistributedDataParallelConfig(...))
+    optimizer = job.get_optimizer(OptimizerConfig(...), model)
+    schedule = get_forward_backward_func(pp_size=job.pp, vp_size=job.vp_size)
+    for step in job.steps():
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        reports = schedule(forward_step_func=job.forward_step,
+                           data_iterator=job.data_iterator(step, model), model=model,
+                           num_microbatches=job.num_microbatches(step),
+                           seq_length=job.seq_length, micro_batch_size=1, forward_only=False,
+                           **job.schedule_kwargs)
+        loss = job.step_loss(reports)            # the step's per-token loss, on every rank
+        if job.grads_finite(step, loss, model):  # main_grad on every rank, one verdict
+            optimizer.step()
+
+What each piece does:
+
+- ``PlanJob(plan, dataset)``: opens the plan and its dataset (bad records as planned,
+  fingerprints checked: ``open_plan_source``), applies the upstream workarounds
+  (``patches``), and creates every process group (``create_groups``) unless ``groups`` is
+  given (``groups_from_parallel_state`` keeps Megatron's own).
+- ``transformer_config(**fields)``: Megatron's ``TransformerConfig`` with the fields a plan
+  fixes (tp, pp, vpp, sequence parallelism from the header; per-token loss; variable THD
+  lengths; no static CP; bf16 when ``dtype="bf16"``; ``finalize_model_grads`` as the
+  finalize hook) over the caller's model fields; a caller field that contradicts the plan is
+  a ``ValueError``.
+- ``get_model(provider, ddp_config)``: Megatron-LM's ``get_model``: one chunk per virtual
+  stage from ``provider(pre_process=, post_process=, vp_stage=, pg_collection=)``, moved to the
+  device, ``Float16Module`` under bf16, wrapped in Megatron's ``DistributedDataParallel`` over
+  the pool; the schedules' DDP hooks are set on the config (``ddp.schedule_hooks``).
+- ``get_optimizer(optimizer_config, model)``: ``get_megatron_optimizer`` with the job's groups.
+- ``forward_step``: the ``forward_step_func``: binds the microbatch's CP group into every layer
+  (RoPE included) for the forward and returns the per-token loss (``loss.loss_func``).
+- ``data_iterator(step, model)`` / ``num_microbatches(step)``: the step's batches (one iterator
+  per chunk under vpp) and their count, which varies by step.
+- ``step_loss(reports)``, ``grads_finite(...)``, ``save`` / ``load`` (``checkpoint``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from runtime.adapters.megatron import ddp, mcore, patches
+from runtime.adapters.megatron.batch import Batch, PlanBatches
+from runtime.adapters.megatron.binding import bind_cp_group
+from runtime.adapters.megatron.groups import MegatronGroups, create_groups
+from runtime.adapters.megatron.loss import loss_func
+from runtime.adapters.megatron.model import ModelParallel, check_split, layer_spec, plan_fields
+from runtime.data.plan_reader import PlanReader
+from runtime.data.plan_source import check_plan_source, open_plan_source
+from runtime.data.tokens import TokenSource
+from runtime.dist.topology import Topology
+from runtime.train.common import DTYPES, MegatronOptions
+from runtime.train.guards import nonfinite_ok
+
+ModelProvider = Callable[..., nn.Module]
+
+
+@dataclass(frozen=True, slots=True)
+class StepLoss:
+    """A step's loss: the per-token mean over the pool and the loss tokens it averaged."""
+
+    loss: float
+    loss_tokens: int
+
+
+class PlanJob:
+    """A plan replayed by this rank inside Megatron-core (see the module docstring).
+
+    Args:
+        plan: the plan file (or an opened ``PlanReader``, kept open by the caller).
+        dataset: the dataset the plan was made for (paths, or an opened ``TokenSource``);
+            None: the files the plan's header lists.
+        device: ``cpu`` (gloo) or ``cuda`` (NCCL).
+        dtype: ``fp32``, or ``bf16`` (Megatron's mixed precision; GPU).
+        groups: groups the caller owns (``groups_from_parallel_state``); default: created.
+        field: the token field, overriding the plan's recorded one.
+        timeout_minutes: every group's collective timeout.
+        seed: seed of Megatron's model-parallel RNG tracker (CUDA).
+        vocab_size: when set, token ids are checked against it (naming the step and samples).
+        attention: ``plan`` (the adapter's core attention, any device) or ``te``.
+
+    Raises:
+        ValueError: a job that is not the plan's (world size, layout), or a dataset that is
+            not the plan's, on every rank alike.
+    """
+
+    def __init__(self, plan: str | PlanReader, dataset: str | Sequence[str] | TokenSource | None
+                 = None, *, device: str | torch.device = "cpu", dtype: str = "fp32",
+                 groups: MegatronGroups | None = None, field: str | None = None,
+                 timeout_minutes: float = 10.0, seed: int = 0, vocab_size: int = 0,
+                 attention: str = "plan") -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        patches.apply_patches(self.device)
+        self._owned: list[Any] = []
+        if isinstance(plan, PlanReader):
+            reader = plan
+        else:
+            reader = PlanReader(plan)
+            self._owned.append(reader)
+        try:
+            source: TokenSource
+            if dataset is None or isinstance(dataset, (str, list, tuple)):
+                paths = (dataset,) if isinstance(dataset, str) else tuple(dataset or ())
+                source = open_plan_source(reader, paths or _plan_files(reader), field=field)
+                self._owned.append(source)
+            else:
+                assert not isinstance(dataset, str)
+                source = dataset  # type: ignore[assignment]
+                check_plan_source(reader, source)
+            self.reader, self.source = reader, source
+            header = reader.header
+            topology = Topology.from_header(header.parallel, rank=dist.get_rank(),
+                                            world_size=dist.get_world_size())
+            if groups is None:
+                groups = create_groups(topology, header.cp_sizes,
+                                       timeout=timedelta(minutes=timeout_minutes))
+            elif groups.topology != topology:
+                raise ValueError(f"groups built for {groups.topology}, the plan needs "
+                                 f"{topology}")
+            self.groups, self.topology = groups, topology
+            p = header.parallel
+            self.parallel = ModelParallel(
+                tp=p.tp, pp=p.pp, vpp=p.vpp, sequence_parallel=p.sequence_parallel,
+                microbatch_group_size=p.microbatch_group_size, dtype=DTYPES[dtype])
+            self.attention = attention
+            self.vocab_size = vocab_size
+            self.config: Any = None
+            self._batches: PlanBatches | None = None
+            if self.device.type == "cuda":
+                mcore.tp_random.model_parallel_cuda_manual_seed(
+                    seed, tp_rank=topology.tp_rank, ep_rank=0, etp_rank=0)
+            self.p2p: patches.TaggedP2PCommunicator | None = None
+            self.options = MegatronOptions()
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- the job's shape -------------------------------------------------------------------
+
+    @property
+    def pg_collection(self) -> mcore.ProcessGroupCollection:
+        """Megatron's groups for DDP, the optimizer and the schedules."""
+        return self.groups.pg_collection
+
+    @property
+    def num_steps(self) -> int:
+        return self.reader.num_steps
+
+    @property
+    def pp(self) -> int:
+        return self.parallel.pp
+
+    @property
+    def vp_size(self) -> int | None:
+        """``get_forward_backward_func``'s ``vp_size`` (None without virtual stages)."""
+        return self.parallel.vpp if self.parallel.vpp > 1 else None
+
+    @property
+    def seq_length(self) -> int:
+        """The schedules' ``seq_length`` (the plan's capacity; THD lengths vary below it)."""
+        return self.reader.header.capacity_tokens_per_rank
+
+    def steps(self, start: int = 0, stop: int = 0) -> range:
+        """Steps [start, stop) of the plan (stop 0: to the end)."""
+        return range(start, min(stop, self.num_steps) if stop else self.num_steps)
+
+    # ---- model, DDP, optimizer -------------------------------------------------------------
+
+    def transformer_config(self, **fields: Any) -> mcore.TransformerConfig:
+        """Megatron's ``TransformerConfig``: ``fields`` (the model) plus the plan's fields."""
+        fixed = plan_fields(self.parallel)
+        clash = {k: v for k, v in fields.items() if k in fixed and fixed[k] != v}
+        if clash:
+            raise ValueError(f"TransformerConfig fields the plan fixes: {clash} (the plan "
+                             f"needs {({k: fixed[k] for k in clash})})")
+        check_split(self.parallel, vocab_size=self.vocab_size or None,
+                    num_query_groups=fields.get("num_query_groups")
+                    or fields.get("num_attention_heads"), num_layers=fields.get("num_layers"))
+        config = mcore.TransformerConfig(**{**fields, **fixed})
+        config.finalize_model_grads_func = mcore.finalize_model_grads
+        self.config = config
+        return config
+
+    def layer_spec(self, config: mcore.TransformerConfig, vp_stage: int | None = None) -> object:
+        """The block spec for one chunk: Megatron's local spec with the adapter's core
+        attention (``attention="plan"``, any device) or Megatron's TE spec (``"te"``)."""
+        return layer_spec(config, attention=self.attention, vp_stage=vp_stage,
+                          pp_rank=self.topology.pp_rank)
+
+    def get_model(self, provider: ModelProvider, ddp_config: Any = None, *,
+                  options: MegatronOptions | None = None) -> list[nn.Module]:
+        """This rank's model chunks, wrapped for data parallelism (module docstring).
+
+        ``ddp_config``: Megatron's ``DistributedDataParallelConfig`` (default: built from
+        ``options``, whose ``grad_sync="pool"`` wraps in ``PoolGradSync`` instead).
+        """
+        if self.config is None:
+            raise ValueError("call transformer_config(...) before get_model(...)")
+        options = options or MegatronOptions()
+        config = self.config
+        pp, vpp, rank = self.parallel.pp, self.parallel.vpp, self.topology.pp_rank
+        # Built without the embedding group: GPTModel would all-reduce the tied embedding
+        # copies through .cuda() at construction (language_module.py); the schedules get the
+        # real group for the gradient all-reduce.
+        build_pgc = mcore.process_group_collection({**vars(self.pg_collection), "embd": None})
+        chunks: list[nn.Module] = []
+        for c in range(vpp):
+            chunk = provider(pre_process=rank == 0 and c == 0,
+                             post_process=rank == pp - 1 and c == vpp - 1,
+                             vp_stage=c if vpp > 1 else None, pg_collection=build_pgc)
+            chunk = chunk.to(self.device)
+            if config.bf16:
+                chunk = mcore.Float16Module(config, chunk)
+            chunks.append(chunk)
+        if ddp_config is not None:
+            wrapped: list[nn.Module] = [
+                mcore.DistributedDataParallel(config, ddp_config, c, disable_bucketing=i > 0,
+                                              pg_collection=self.pg_collection)
+                for i, c in enumerate(chunks)]
+            options = MegatronOptions(
+                use_distributed_optimizer=ddp_config.use_distributed_optimizer,
+                overlap_grad_reduce=ddp_config.overlap_grad_reduce,
+                overlap_param_gather=ddp_config.overlap_param_gather)
+        else:
+            wrapped = ddp.wrap_chunks(chunks, config, self.pg_collection,
+                                      self.groups.pool_group, options)
+        ddp.schedule_hooks(config, wrapped, options)
+        self.options = options
+        if pp > 1:
+            self.p2p = patches.TaggedP2PCommunicator(self.pg_collection.pp, config)
+        self._batches = PlanBatches(self.reader, self.source, self.groups,
+                                    num_chunks=len(wrapped), device=self.device,
+                                    vocab_size=self.vocab_size)
+        return wrapped
+
+    def get_optimizer(self, optimizer_config: Any, model: list[nn.Module]) -> Any:
+        """Megatron's optimizer (``get_megatron_optimizer``) over ``model`` with the job's
+        groups."""
+        return mcore.get_megatron_optimizer(optimizer_config, model, self.pg_collection)
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    @property
+    def batches(self) -> PlanBatches:
+        if self._batches is None:
+            raise ValueError("call get_model(...) first (the batches need the chunk count)")
+        return self._batches
+
+    def num_microbatches(self, step: int) -> int:
+        """The plan's microbatch count of ``step`` (the same on every rank)."""
+        return self.reader.step(step).num_microbatches
+
+    def data_iterator(self, step: int, model: Sequence[nn.Module] | None = None
+                      ) -> Iterator[Batch] | list[Iterator[Batch]]:
+        """``step``'s batches: an iterator, or one per chunk with virtual stages."""
+        del model  # the chunk count is the one get_model built
+        return self.batches.data_iterator(step)
+
+    @property
+    def schedule_kwargs(self) -> dict[str, Any]:
+        """The schedules' keyword arguments beyond the standard ones (groups, P2P)."""
+        kwargs: dict[str, Any] = {"pg_collection": self.pg_collection}
+        if self.p2p is not None:
+            kwargs["p2p_communicator"] = self.p2p
+        return kwargs
+
+    def forward_step(self, data_iterator: Iterator[Batch], model: nn.Module
+                     ) -> tuple[Any, Any]:
+        """Megatron's ``forward_step_func``: one microbatch through one chunk."""
+        batch: Batch = next(data_iterator)
+        psp = batch["packed_seq_params"]
+        with bind_cp_group(model, psp.cp_group), \
+                patches.sequence_parallel_group(self.pg_collection.tp), self._autocast():
+            output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                           packed_seq_params=psp, runtime_gather_output=True,
+                           padding_mask=batch["padding_mask"])
+        if batch["labels"] is None:  # not the last stage: the schedule sends output on
+            return output, None
+        return output, functools.partial(loss_func, batch["labels"], batch["loss_mask"])
+
+    def _autocast(self) -> Any:
+        import contextlib
+
+        dtype = self.parallel.dtype
+        if dtype == torch.float32 or (self.config is not None and self.config.bf16):
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)  # PoolGradSync's bf16
+
+    def step_loss(self, reports: list[dict[str, torch.Tensor]]) -> StepLoss:
+        """The step's per-token loss on every rank: the last stage's reports summed over the
+        microbatches and the pool, then broadcast along the pipeline."""
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for r in reports:
+            total += r["lm loss"].to(self.device)
+        pool = self.groups.catalog.pool_group
+        if pool is not None:
+            dist.all_reduce(total, group=pool)
+        if self.topology.pp > 1:
+            pp_group = self.pg_collection.pp
+            src = dist.get_global_rank(pp_group, pp_group.size() - 1)
+            dist.broadcast(total, src=src, group=pp_group)
+        loss_sum, count = total.tolist()
+        return StepLoss(loss=loss_sum / max(count, 1.0), loss_tokens=int(count))
+
+    def grads_finite(self, step: int, loss: StepLoss, model: list[nn.Module], *,
+                     skip: bool = False) -> bool:
+        """Whether the step's loss and gradients (``main_grad`` under DDP) are finite, agreed
+        by every rank; a ValueError naming the step unless ``skip`` (then False: skip)."""
+        return nonfinite_ok(step, loss.loss, ddp.grad_tensors(model), skip=skip, agree=True)
+
+    def close(self) -> None:
+        """Close the plan and dataset this job opened."""
+        for obj in self._owned:
+            close = getattr(obj, "close", None)
+            if close is not None:
+                close()
+        self._owned.clear()
+
+
+def _plan_files(reader: PlanReader) -> tuple[str, ...]:
+    d = reader.header.dataset
+    return tuple(str(x["path"]) for x in d.files) or (d.path,)
