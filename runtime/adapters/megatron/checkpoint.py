@@ -26,8 +26,10 @@ Loading checks before anything is read into the model: the manifest (every file 
 size and sha256, hashed by the ranks between them), ``run.json`` (same plan, model, world and
 optimizer kind), and torch's checkpoint metadata (``model/.metadata``, a pickle that torch reads
 with ``pickle.load``) through an unpickler that admits only the checkpoint metadata's own
-classes, so a crafted checkpoint cannot run code. Megatron reads ``common.pt`` and its sharded
-objects with ``torch.load``'s default ``weights_only=True``; the RNG files are read likewise.
+classes; the objects stored inside the shards (torch unpickles them with
+``weights_only=False``) are read with ``weights_only=True`` during the load
+(``patches.checkpoint_bytes_weights_only``), as are Megatron's ``common.pt`` (0.16; 0.19 keeps
+it in the shards) and the RNG files: a crafted checkpoint cannot run code.
 """
 
 from __future__ import annotations
@@ -269,7 +271,8 @@ def load(directory: str | os.PathLike[str], *, chunks: list[nn.Module], optimize
         error = str(e)
     _agree(error)
     state = _state_dict(chunks, optimizer, scheduler, groups, loading=True)
-    loaded = mcore.dist_checkpointing.load(state, str(path / MODEL_DIR))
+    with patches.checkpoint_bytes_weights_only():
+        loaded = mcore.dist_checkpointing.load(state, str(path / MODEL_DIR))
     if scheduler is not None:
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     for i, c in enumerate(chunks):
@@ -325,7 +328,7 @@ def _verify_share(path: Path) -> None:
         files = dict(json.loads(mpath.read_text())["files"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{mpath}: damaged checkpoint manifest ({e})") from None
-    for name in (RUN_FILE, f"{MODEL_DIR}/.metadata", f"{MODEL_DIR}/common.pt"):
+    for name in (RUN_FILE, f"{MODEL_DIR}/.metadata", f"{MODEL_DIR}/metadata.json"):
         if name not in files:
             raise ValueError(f"{mpath}: lists no {name}")
     for rel in _share(sorted(files)):

@@ -77,6 +77,7 @@ def _collection(catalog: GroupCatalog, self_group: dist.ProcessGroup, *,
     dense twins (Megatron's defaults at ep 1: expert TP = TP, expert DP = the pool) and ``cp``
     is this rank alone; one distributed-optimizer instance spans the world (``intra_dist_opt``,
     the group the optimizers reduce gradient norms over) and ``inter_dist_opt`` is None.
+    Names a release does not declare are dropped (``mcore.process_group_collection``).
     """
     pool = catalog.pool_group if catalog.pool_group is not None else self_group
     groups: dict[str, object] = {
@@ -87,6 +88,11 @@ def _collection(catalog: GroupCatalog, self_group: dist.ProcessGroup, *,
         "tp_dp_cp": tp_dp_cp, "dp": pool, "dp_cp": pool, "intra_dp_cp": pool,
         "expt_dp": pool, "intra_expt_dp": pool,
         "inter_dist_opt": None, "intra_dist_opt": dist.group.WORLD,
+        # 0.19's weight-rematerialising TP ("gtp_remat", off here: groups of one rank, so its
+        # extra reductions are no-ops) and FSDP's separate all-gather communicators (unused).
+        "gtp_remat": self_group, "expt_gtp_remat": self_group, "dp_cp_gtp_remat": pool,
+        "expt_dp_gtp_remat": pool, "tp_ep_pp_with_egtp_remat": mp, "dp_cp_ag": None,
+        "expt_dp_ag": None,
     }
     return mcore.process_group_collection(groups)
 

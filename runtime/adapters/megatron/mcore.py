@@ -82,8 +82,9 @@ with warnings.catch_warnings():
 
 def process_group_collection(groups: dict[str, object]) -> ProcessGroupCollection:
     """A ``ProcessGroupCollection`` holding ``groups`` (name -> group or None) for every field
-    this release declares; a field of the release that ``groups`` does not name is an error, so
-    a newer release's new group is found here, not as an ``AttributeError`` deep in DDP."""
+    this release declares (names of other releases are left out); a field of the release that
+    ``groups`` does not name is an error, so a newer release's new group is found here, not as
+    an ``AttributeError`` deep in DDP."""
     from dataclasses import fields
 
     names = [f.name for f in fields(ProcessGroupCollection)]

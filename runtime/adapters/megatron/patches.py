@@ -40,8 +40,22 @@ def _once(name: str, fn: Callable[[], None]) -> None:
         _applied.add(name)
 
 
+class _HostStream:
+    """A CUDA stream's waits, as no-ops: on the CPU every operation is already in order."""
+
+    def wait_event(self, event: object) -> None:
+        del event
+
+    def wait_stream(self, stream: object) -> None:
+        del stream
+
+    def synchronize(self) -> None:
+        pass
+
+
 class _CpuCuda:
-    """``torch.cuda`` as CPU-only code needs it: a device name and a no-op synchronize."""
+    """``torch.cuda`` as CPU-only code needs it: a device name, a no-op synchronize and a
+    current stream whose waits do nothing."""
 
     @staticmethod
     def current_device() -> str:
@@ -50,6 +64,11 @@ class _CpuCuda:
     @staticmethod
     def synchronize(device: object = None) -> None:
         del device
+
+    @staticmethod
+    def current_stream(device: object = None) -> _HostStream:
+        del device
+        return _HostStream()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cuda, name)
@@ -456,6 +475,35 @@ def checkpoint_groups(tp: dist.ProcessGroup, pool: dist.ProcessGroup) -> Iterato
         yield
     finally:
         _STATE_GROUPS.reset(token)
+
+
+class _TorchLoadsWeightsOnly(types.ModuleType):
+    """``torch`` whose ``load`` never unpickles arbitrary objects (``weights_only=True``)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def load(f: Any, *args: Any, weights_only: bool = True, **kwargs: Any) -> Any:
+        del weights_only
+        return torch.load(f, *args, weights_only=True, **kwargs)
+
+
+@contextlib.contextmanager
+def checkpoint_bytes_weights_only() -> Iterator[None]:
+    # torch/distributed/checkpoint/default_planner.py (DefaultLoadPlanner.load_bytes), which
+    # Megatron's torch_dist strategy loads through, reads every non-tensor object of a
+    # checkpoint with torch.load(weights_only=False): a crafted shard file would run code.
+    # During a Megatron checkpoint load it reads them with weights_only=True (tensors,
+    # containers, numbers, strings and the classes Megatron registers as safe globals).
+    from torch.distributed.checkpoint import default_planner
+
+    saved = default_planner.torch
+    default_planner.torch = _TorchLoadsWeightsOnly("torch")  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        default_planner.torch = saved  # type: ignore[attr-defined]
 
 
 def apply_common_patches() -> None:
