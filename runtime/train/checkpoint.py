@@ -42,6 +42,7 @@ import json
 import os
 import pickle
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -172,13 +173,15 @@ def save(directory: str | os.PathLike[str], *, model: torch.nn.Module,
     return final
 
 
-def _install(root: Path, staging: Path, final: Path) -> None:
-    """Rename the staged checkpoint into place, then move ``latest`` to it (rank 0)."""
+def _install(root: Path, staging: Path, final: Path, *,
+             is_ours: Callable[[Path], bool] = is_checkpoint_dir) -> None:
+    """Rename the staged checkpoint into place, then move ``latest`` to it (rank 0).
+    ``is_ours``: the engine's recogniser of its own checkpoint directories."""
     aside = root / f".{final.name}.old"
     if final.exists() or final.is_symlink():
         # The same step saved again: set the old copy aside, then drop it. Only ours: a user's
         # directory of that name is refused (check_save_target refused it before training).
-        if not is_checkpoint_dir(final):
+        if not is_ours(final):
             raise ValueError(f"{final}: exists and is not a checkpoint; refusing to replace it")
         os.replace(final, aside)
     os.replace(staging, final)

@@ -43,7 +43,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -52,6 +51,8 @@ from planner.planfile.io import fsync_dir
 from runtime.adapters.megatron import ddp, mcore, patches
 from runtime.adapters.megatron.model import unwrap
 from runtime.train import checkpoint as native
+from runtime.train import savetarget
+from runtime.train.rngstate import load_rng, rng_state, set_rng_state
 
 FORMAT = 1
 RUN_FILE = "run.json"
@@ -131,26 +132,23 @@ def _fresh_adam_state(optimizer: Any) -> None:
 
 # ---- RNG ----------------------------------------------------------------------------------------
 
-def _rng_state() -> dict[str, Any]:
-    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-    state: dict[str, Any] = {"torch": torch.get_rng_state(),
-                             "numpy": {"kind": kind, "keys": torch.from_numpy(np.array(keys)),
-                                       "pos": int(pos), "has_gauss": int(has_gauss),
-                                       "cached": float(cached)}}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        state["cuda"] = torch.cuda.get_rng_state()
-        tracker = mcore.tp_random.get_cuda_rng_tracker()
-        state["tracker"] = dict(tracker.get_states())
-    return state
+def _tracker_states() -> dict[str, torch.Tensor]:
+    """Megatron's model-parallel CUDA RNG tracker (TE's dropout and init draw from it)."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):  # type: ignore[no-untyped-call]
+        return {}
+    return dict(mcore.tp_random.get_cuda_rng_tracker().get_states())
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy(), n["pos"], n["has_gauss"], n["cached"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-        mcore.tp_random.get_cuda_rng_tracker().set_states(state["tracker"])
+def _load_tracker(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        raw = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a damaged file raises anything
+        raise ValueError(f"{path}: unreadable checkpoint file ({type(e).__name__}: {e})") from None
+    if not isinstance(raw, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) and v.dtype == torch.uint8
+            for k, v in raw.items()):
+        raise ValueError(f"{path}: not Megatron's RNG tracker states (name -> uint8 tensor)")
+    return raw
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -177,10 +175,10 @@ def save(directory: str | os.PathLike[str], *, chunks: list[nn.Module], optimize
     error = ""
     if rank == 0:
         try:
-            check_target(root)
             root.mkdir(parents=True, exist_ok=True)
-            for p in root.glob(".step-*.tmp"):  # saves that were killed
-                shutil.rmtree(p, ignore_errors=True)
+            for p in root.glob(".step-*.*"):  # saves that were killed (only ours)
+                if p.is_dir() and not p.is_symlink() and _only_ours(p):
+                    shutil.rmtree(p, ignore_errors=True)
             (staging / MODEL_DIR).mkdir(parents=True)
             (staging / "rng").mkdir()
             run = {"format": FORMAT, "framework": "megatron", "next_step": next_step,
@@ -195,9 +193,11 @@ def save(directory: str | os.PathLike[str], *, chunks: list[nn.Module], optimize
         ddp.sync_params(chunks, options)  # parameters still being gathered (overlap)
         state = _state_dict(chunks, optimizer, scheduler, groups, loading=False)
         mcore.dist_checkpointing.save(state, str(staging / MODEL_DIR))
-        buf = io.BytesIO()
-        torch.save(_rng_state(), buf)
-        _write(staging / "rng" / f"rank-{rank}.pt", buf.getvalue())
+        for name, obj in ((f"rank-{rank}.pt", rng_state()),
+                          (f"tracker-{rank}.pt", _tracker_states())):
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            _write(staging / "rng" / name, buf.getvalue())
     except (OSError, RuntimeError) as e:
         error = f"{staging}: rank {rank} cannot write its part of the checkpoint: {e}"
     _agree(error)
@@ -219,7 +219,7 @@ def save(directory: str | os.PathLike[str], *, chunks: list[nn.Module], optimize
                    json.dumps(manifest, indent=1, sort_keys=True).encode())
             for d in [staging, staging / MODEL_DIR, staging / "rng"]:
                 fsync_dir(d)
-            native._install(root, staging, final)
+            native._install(root, staging, final, is_ours=is_checkpoint)
         except OSError as e:
             error = f"{root}: cannot complete checkpoint {name}: {e.strerror or e}"
     try:
@@ -231,23 +231,34 @@ def save(directory: str | os.PathLike[str], *, chunks: list[nn.Module], optimize
     return final
 
 
-def check_target(root: Path) -> None:
-    """``--save DIR`` can take checkpoints: a directory (or creatable), writable, whose
-    ``step-*`` entries are checkpoints of ours (a save replaces one of the same step).
+_OURS = {MODEL_DIR, "rng", RUN_FILE, native.MANIFEST_FILE}
+"""The names a Megatron checkpoint directory holds (Megatron's files live under model/)."""
 
-    Raises:
-        ValueError: naming the path and the problem (before the first step, on rank 0).
-    """
-    if root.exists() and not root.is_dir():
-        raise ValueError(f"--save {root}: exists and is not a directory")
-    probe = root if root.exists() else next((p for p in root.parents if p.exists()), Path("."))
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ValueError(f"--save {root}: {probe} is not writable")
-    if root.is_dir():
-        for p in root.glob("step-*"):
-            if not (p.is_dir() and (p / native.MANIFEST_FILE).is_file()):
-                raise ValueError(f"--save {root}: {p} is not a checkpoint of dcp-train; "
-                                 "refusing to replace it (choose another --save directory)")
+
+def _only_ours(p: Path) -> bool:
+    try:
+        return all(q.name in _OURS for q in p.iterdir())
+    except OSError:
+        return False
+
+
+def is_checkpoint(p: Path) -> bool:
+    """A checkpoint this module wrote (complete: its manifest is there), or a killed save's
+    leftover of ours, or ``latest``: what a save may replace."""
+    if p.name == native.LATEST_FILE:
+        return savetarget._is_native_entry(p)
+    return p.is_dir() and not p.is_symlink() and _only_ours(p) and (
+        (p / native.MANIFEST_FILE).is_file() or p.name.startswith("."))
+
+
+def check_target(directory: str, *, start: int, stop: int, save_every: int,
+                 inputs: list[str]) -> None:
+    """``--save DIR`` before the first step (collective): the native rules
+    (``runtime.train.checkpoint.check_save_target``) with this layout's recogniser: every entry
+    the run's saves would create or replace must be one of ours."""
+    native.check_save_target(directory, dist.get_rank(),
+                             writes=native.native_saves(start, stop, save_every),
+                             is_ours=is_checkpoint, inputs=inputs)
 
 
 # ---- load ---------------------------------------------------------------------------------------
@@ -279,11 +290,14 @@ def load(directory: str | os.PathLike[str], *, chunks: list[nn.Module], optimize
         unwrap(c).load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"])
     with torch.no_grad():  # fp32 main weights are views of the parameters
         optimizer.load_state_dict(loaded["optimizer"])
-    rng = path / "rng" / f"rank-{dist.get_rank()}.pt"
+    rank = dist.get_rank()
     try:
-        _set_rng_state(torch.load(rng, map_location="cpu", weights_only=True))
-    except Exception as e:  # noqa: BLE001 - any unreadable file
-        error = f"{rng}: unreadable checkpoint file ({type(e).__name__}: {e})"
+        set_rng_state(load_rng(path / "rng" / f"rank-{rank}.pt", 3))
+        tracker = _load_tracker(path / "rng" / f"tracker-{rank}.pt")
+        if tracker and torch.cuda.is_available():
+            mcore.tp_random.get_cuda_rng_tracker().set_states(tracker)
+    except ValueError as e:
+        error = str(e)
     _agree(error)
     return native.Resumed(next_step=int(run["next_step"]), meta=dict(run["meta"]),
                           directory=path)

@@ -464,7 +464,7 @@ def sharded_state_uses_model_groups() -> None:
     # pool groups around every sharded_state_dict call (checkpoint_groups).
     for module in (mcore.language_module, mcore.transformer_utils):
         if not isinstance(module.parallel_state, _ParallelStateWithGroups):
-            module.parallel_state = _ParallelStateWithGroups("parallel_state")  # type: ignore[attr-defined]
+            module.parallel_state = _ParallelStateWithGroups("parallel_state")
 
 
 @contextlib.contextmanager
@@ -496,14 +496,15 @@ def checkpoint_bytes_weights_only() -> Iterator[None]:
     # checkpoint with torch.load(weights_only=False): a crafted shard file would run code.
     # During a Megatron checkpoint load it reads them with weights_only=True (tensors,
     # containers, numbers, strings and the classes Megatron registers as safe globals).
-    from torch.distributed.checkpoint import default_planner
+    import torch.distributed.checkpoint.default_planner as planner_module
 
-    saved = default_planner.torch
-    default_planner.torch = _TorchLoadsWeightsOnly("torch")  # type: ignore[attr-defined]
+    module: Any = planner_module
+    saved = module.torch
+    module.torch = _TorchLoadsWeightsOnly("torch")
     try:
         yield
     finally:
-        default_planner.torch = saved  # type: ignore[attr-defined]
+        module.torch = saved
 
 
 def apply_common_patches() -> None:

@@ -30,7 +30,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -64,6 +63,7 @@ from runtime.train.common import (
     step_range,
 )
 from runtime.train.model import GPTConfig
+from runtime.train.preflight import check_resume_step, require_training_plan, run_inputs
 
 ATTENTION_SPECS = {"reference": "plan", "te": "te"}
 """``--attention`` -> the core attention behind Megatron's spec (``model.layer_spec``)."""
@@ -99,6 +99,7 @@ class MegatronTrainer:
                options: MegatronOptions) -> None:
         job = self.job
         self.reader, self.source, self.device = job.reader, job.source, job.device
+        require_training_plan(self.reader.header.kind, cfg.plan)
         self.groups, self.topology = job.groups, job.topology
         if options.grad_sync == "pool":  # the baseline: autocast over fp32 weights
             job.parallel = replace(job.parallel, megatron_precision=False)
@@ -133,22 +134,21 @@ class MegatronTrainer:
         self.rank = dist.get_rank()
         self.start_step = 0
         self.meta = checkpoint_meta(model_config, self.reader)
-        if cfg.save:  # before any step: a target that cannot take checkpoints fails now
-            error = ""
-            if self.rank == 0:
-                try:
-                    checkpoint.check_target(Path(cfg.save))
-                except ValueError as e:
-                    error = str(e)
-            checkpoint._agree(error)
+        self.has_steps = True
         if cfg.resume:
             resumed = checkpoint.load(cfg.resume, chunks=self.chunks, optimizer=self.optimizer,
                                       scheduler=self.scheduler, groups=self.groups,
                                       options=options, expect_meta=self.meta)
             self.start_step = resumed.next_step
-            if self.rank == 0:
+            self.has_steps = check_resume_step(cfg, self.start_step, self.reader.num_steps,
+                                               notice=self.rank == 0)
+            if self.rank == 0 and self.has_steps:
                 print(f"dcp-train: resuming from {resumed.directory} at step "
                       f"{resumed.next_step}", file=sys.stderr, flush=True)
+        if cfg.save:  # before any step: a target that cannot take these checkpoints fails now
+            stop = step_range(cfg, self.start_step, self.reader.num_steps).stop
+            checkpoint.check_target(cfg.save, start=self.start_step, stop=stop,
+                                    save_every=cfg.save_every, inputs=run_inputs(cfg))
         self.evaluator: MegatronEvaluator | None = None
         if cfg.eval_plan:
             self.evaluator = MegatronEvaluator(cfg, self.reader, self.groups,
@@ -252,6 +252,8 @@ class MegatronTrainer:
         result = TrainResult()
         try:
             steps = step_range(self.cfg, self.start_step, self.reader.num_steps)
+            if not self.has_steps:  # resumed where the run ends (a notice was printed)
+                steps = range(0)
             logger.begin(len(steps))
             for step in steps:
                 log = self.step(step)

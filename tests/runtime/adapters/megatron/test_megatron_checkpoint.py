@@ -71,7 +71,8 @@ def test_resume_pp2_distributed_optimizer_bit_for_bit(tmp_path: Path) -> None:
     assert sum(f.endswith(".distcp") for f in manifest["files"]) >= 4
     assert {f"rng/rank-{r}.pt" for r in range(4)} <= manifest["files"].keys()
     run = json.loads((step / "run.json").read_text())
-    assert run["next_step"] == 2 and run["use_distributed_optimizer"] is True
+    assert run["next_step"] == 2
+    assert run["use_distributed_optimizer"] is True
 
 
 def test_resume_dp2_cp2_overlapped_bit_for_bit(tmp_path: Path) -> None:
@@ -173,13 +174,15 @@ def test_save_target_checked_before_the_first_step(saved: dict[str, Any]) -> Non
     log = tmp / "steps.jsonl"
     config = replace(saved["config"], save=str(tmp / "users"), log_jsonl=str(log))
     errors = _errors(config)
-    assert all(f"{mine} is not a checkpoint of dcp-train" in e for e in errors), errors
+    assert all(f"{mine}: exists and is a directory that is not a checkpoint" in e
+               for e in errors), errors
     assert (mine / "notes.txt").read_text() == "mine"
     assert not log.exists() or not log.read_text()  # no step ran
     afile = tmp / "a-file"
     afile.write_text("x")
     errors = _errors(replace(saved["config"], save=str(afile)))
-    assert all("exists and is not a directory" in e for e in errors), errors
+    assert all(f"{afile}: exists and is a file, not a directory" in e
+               for e in errors), errors
 
 
 def test_resume_from_a_native_checkpoint_is_refused(saved: dict[str, Any],
