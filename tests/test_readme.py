@@ -74,3 +74,35 @@ def test_report_example_runs(checkout: Path) -> None:
     page = (checkout / "plans" / "sample-report.html").read_text()
     assert page.startswith("<!DOCTYPE html>")
     assert "Predicted gain" in page
+
+
+@pytest.mark.dist
+def test_megatron_own_job_example_runs_on_four_ranks(checkout: Path) -> None:
+    # The README's own-job example as a user runs it: the plan, then the Python block saved as
+    # my_megatron_job.py under torchrun with 4 gloo ranks (CP groups of 1, 2 and 4, Megatron's
+    # overlapped DDP and distributed optimizer). Every step is logged with the plan's loss
+    # tokens (each sample's length less one, however the plan split it) and finite numbers.
+    import json
+    import math
+
+    pytest.importorskip("megatron.core")
+    from runtime.data.plan_reader import PlanReader
+
+    (checkout / "my_megatron_job.py").write_text(
+        readme_block("Using a plan in Megatron-core", "python"))
+    bash = readme_block("Using a plan in Megatron-core", "bash", 1)
+    out = run_bash(bash, checkout)
+    logs = [json.loads(line) for line in out.splitlines() if line.startswith('{"step"')]
+    assert [r["step"] for r in logs] == [0, 1, 2]
+    reader = PlanReader(checkout / "plans" / "job.arrow")
+    assert {int(k) for i in range(3) for k in reader.step(i).group_cp_size} == {1, 2, 4}
+    for r in logs:
+        step = reader.step(r["step"])
+        samples: dict[int, int] = {}
+        for index, n in zip(step.sample_index.tolist(), step.num_tokens.tolist(), strict=True):
+            if index >= 0:
+                samples[index] = samples.get(index, 0) + n
+        assert r["loss_tokens"] == sum(n - 1 for n in samples.values())
+        assert 0 < r["loss"] < 12
+        assert math.isfinite(r["grad_norm"])
+        assert r["grad_norm"] > 0

@@ -261,13 +261,16 @@ def autocast_context(cfg: TrainConfig, device: torch.device) -> AbstractContextM
     return torch.autocast(device_type=device.type, dtype=DTYPES[cfg.dtype])
 
 
-def checkpoint_meta(model_config: GPTConfig, reader: PlanReader) -> dict[str, Any]:
-    # The plan's header digest: a resume must replay the same batches, and another plan of the
-    # same dataset and step count would pass every other check.
+def plan_meta(reader: PlanReader) -> dict[str, Any]:
+    """What a checkpoint records of its plan. The header digest: a resume must replay the same
+    batches, and another plan of the same dataset and step count would pass every other check."""
     plan = hashlib.sha256(reader.header.to_json().encode()).hexdigest()[:16]
-    return {"model": checkpoint.config_meta(model_config),
-            "dataset": reader.header.dataset.fingerprint, "num_steps": reader.num_steps,
+    return {"dataset": reader.header.dataset.fingerprint, "num_steps": reader.num_steps,
             "plan": plan}
+
+
+def checkpoint_meta(model_config: GPTConfig, reader: PlanReader) -> dict[str, Any]:
+    return {"model": checkpoint.config_meta(model_config), **plan_meta(reader)}
 
 
 class StepLogger:

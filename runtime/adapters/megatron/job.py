@@ -41,7 +41,8 @@ What each piece does:
   (RoPE included) for the forward and returns the per-token loss (``loss.loss_func``).
 - ``data_iterator(step, model)`` / ``num_microbatches(step)``: the step's batches (one iterator
   per chunk under vpp) and their count, which varies by step.
-- ``step_loss(reports)``, ``grads_finite(...)``, ``save`` / ``load`` (``checkpoint``).
+- ``step_loss(reports)``, ``grads_finite(...)``, ``save`` / ``load`` (Megatron's
+  ``dist_checkpointing``, atomic and verified: ``checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ from runtime.train.common import DTYPES, MegatronOptions
 from runtime.train.guards import nonfinite_ok
 
 ModelProvider = Callable[..., nn.Module]
+_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                 "kv_channels", "ffn_hidden_size", "normalization", "gated_linear_unit")
+"""The TransformerConfig fields a checkpoint records as the model's shape (``save``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,6 +330,38 @@ class PlanJob:
         """Whether the step's loss and gradients (``main_grad`` under DDP) are finite, agreed
         by every rank; a ValueError naming the step unless ``skip`` (then False: skip)."""
         return nonfinite_ok(step, loss.loss, ddp.grad_tensors(model), skip=skip, agree=True)
+
+    # ---- checkpoints -----------------------------------------------------------------------
+
+    def checkpoint_meta(self, model: dict[str, Any] | None = None) -> dict[str, Any]:
+        """What a checkpoint must match on resume: the plan (header digest), its dataset and
+        step count, and ``model`` (the model's shape; default: the TransformerConfig's)."""
+        from runtime.train.common import plan_meta
+
+        if model is None and self.config is not None:
+            model = {k: getattr(self.config, k) for k in _SHAPE_FIELDS}
+        return {**plan_meta(self.reader), "model": model}
+
+    def save(self, directory: str, model: list[nn.Module], optimizer: Any, *, next_step: int,
+             scheduler: Any = None, meta: dict[str, Any] | None = None) -> Any:
+        """Checkpoint through Megatron's ``dist_checkpointing`` (collective; ``checkpoint``):
+        ``DIR/step-<next_step>``, made the latest once complete."""
+        from runtime.adapters.megatron import checkpoint
+
+        return checkpoint.save(directory, chunks=model, optimizer=optimizer,
+                               scheduler=scheduler, groups=self.groups, options=self.options,
+                               next_step=next_step, meta=meta or self.checkpoint_meta())
+
+    def load(self, directory: str, model: list[nn.Module], optimizer: Any, *,
+             scheduler: Any = None, meta: dict[str, Any] | None = None) -> int:
+        """Restore a checkpoint (or the latest under ``directory``) after verifying it;
+        collective. Returns the step to continue at."""
+        from runtime.adapters.megatron import checkpoint
+
+        resumed = checkpoint.load(directory, chunks=model, optimizer=optimizer,
+                                  scheduler=scheduler, groups=self.groups, options=self.options,
+                                  expect_meta=meta or self.checkpoint_meta())
+        return resumed.next_step
 
     def close(self) -> None:
         """Close the plan and dataset this job opened."""

@@ -50,6 +50,7 @@ from runtime.adapters.megatron.model import (
 )
 from runtime.data.plan_reader import PlanReader
 from runtime.data.tokens import TokenSource
+from runtime.train import checkpoint as native_checkpoint
 from runtime.train.common import (
     EvalLog,
     MegatronOptions,
@@ -136,15 +137,13 @@ class MegatronTrainer:
         self.meta = checkpoint_meta(model_config, self.reader)
         self.has_steps = True
         if cfg.resume:
-            resumed = checkpoint.load(cfg.resume, chunks=self.chunks, optimizer=self.optimizer,
-                                      scheduler=self.scheduler, groups=self.groups,
-                                      options=options, expect_meta=self.meta)
-            self.start_step = resumed.next_step
+            self.start_step = job.load(cfg.resume, self.chunks, self.optimizer,
+                                       scheduler=self.scheduler, meta=self.meta)
             self.has_steps = check_resume_step(cfg, self.start_step, self.reader.num_steps,
                                                notice=self.rank == 0)
             if self.rank == 0 and self.has_steps:
-                print(f"dcp-train: resuming from {resumed.directory} at step "
-                      f"{resumed.next_step}", file=sys.stderr, flush=True)
+                print(f"dcp-train: resuming from {native_checkpoint.resolve(cfg.resume)} at "
+                      f"step {self.start_step}", file=sys.stderr, flush=True)
         if cfg.save:  # before any step: a target that cannot take these checkpoints fails now
             stop = step_range(cfg, self.start_step, self.reader.num_steps).stop
             checkpoint.check_target(cfg.save, start=self.start_step, stop=stop,
@@ -264,10 +263,8 @@ class MegatronTrainer:
                 cfg = self.cfg
                 if cfg.save and (step == steps[-1]
                                  or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
-                    checkpoint.save(cfg.save, chunks=self.chunks, optimizer=self.optimizer,
-                                    scheduler=self.scheduler, groups=self.groups,
-                                    options=self.options,
-                                    next_step=step + 1, meta=self.meta)
+                    self.job.save(cfg.save, self.chunks, self.optimizer, next_step=step + 1,
+                                  scheduler=self.scheduler, meta=self.meta)
                 if self.evaluator is not None and should_evaluate(self.cfg, step, steps[-1]):
                     ev = self.evaluate(step + 1)
                     result.evals.append(ev)
