@@ -7,16 +7,25 @@ dp 1 x cp 2 plans come from ``bench/train_compare.py``'s ``prepare``):
 ``prepare`` (CPU machine, PyPI reachable) writes into DIR (default ``out/megatron_gpu``, ignored
 by git; carry it, about 15 MB): ``dataset.arrow``, ``dynamic.arrow`` (CP sizes 1 and 2),
 ``static.arrow`` (CP 2 only), ``single.arrow`` (a pool of one GPU, the same global batches),
-``pp2.arrow`` (the same batches for pp 2 x pool 1) and ``wheels/``: the megatron-core 0.16.1
-wheel for cp312 (2.6 MB; its other needs, numpy, packaging and torch, are in the GPU image;
-triton is not imported by the paths used). Transformer Engine comes from ``shared/gpu-wheels``
-(its README: ``install-te.sh``); without it the runs fall back to ``--attention reference``
-(this project's all-gather attention behind Megatron's spec, slow but exact).
+``pp2.arrow`` (the same batches for pp 2 x pool 1) and ``wheels/``: the megatron-core 0.19.2
+wheel for cp312 (the GPU machines' Python; its needs, numpy, packaging, psutil and torch, are in
+the GPU image). Transformer Engine comes from ``shared/gpu-wheels`` (its README:
+``install-te.sh``); without it the runs fall back to ``--attention reference`` (this project's
+all-gather attention behind Megatron's spec, slow but exact).
 
-``run --gpus 1``: ``dcp-train --framework megatron --device cuda --attention te --dtype bf16`` on
-``single.arrow`` (Megatron's TE layer spec, ``TEDotProductAttention`` in THD), then the Megatron
-oracle in fp32 on the CPU (same GPTModel shape and initial weights, every segment alone), and the
-largest per-step relative loss difference (bf16 tolerance 2e-2).
+``run --gpus 1``, Megatron as a production job runs it (``--attention te --dtype bf16``:
+Megatron's TE layer spec, ``TEDotProductAttention`` in THD, Megatron's bf16 with fp32 main
+weights; its DDP with ``--overlap-grad-reduce``, ``--use-distributed-optimizer`` with
+``--overlap-param-gather``), on ``single.arrow``:
+
+1. parity: the small model against the Megatron oracle in fp32 on the CPU (same GPTModel shape
+   and initial weights, every segment alone; it runs beside the GPU runs), the largest per-step
+   relative loss difference (bf16 tolerance 2e-2);
+2. throughput: the 8-layer model, median tokens/s after ``--warmup`` steps, Megatron's DDP and
+   distributed optimizer against ``--grad-sync pool`` (the adapter's plain all-reduce per
+   gradient and AdamW, bf16 autocast over fp32 weights) on the same plan;
+3. save and resume on the GPU: ``--save-every 2`` for 4 steps, then ``--resume`` from step 2;
+   the resumed steps' losses against the uninterrupted run's.
 
 ``run --gpus 2``: ``torchrun --nproc-per-node 2 -m runtime.train --framework megatron`` for the
 dynamic and the static plan (same samples in every step), an 8-layer hidden-2048 GQA model in
@@ -42,6 +51,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -53,7 +63,8 @@ sys.path.insert(0, str(ROOT))
 from bench.torchtitan_gpu import _launch, _median, _read, _te_importable  # noqa: E402
 
 DEFAULT_DIR = ROOT / "out" / "megatron_gpu"
-WHEELS = ["megatron-core==0.16.1"]
+WHEELS = ["megatron-core==0.19.2"]
+PRODUCTION = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
 BIG = ["--layers", "8", "--hidden-size", "2048", "--heads", "16", "--query-groups", "4",
        "--ffn-hidden-size", "8192", "--vocab-size", "32000", "--dtype", "bf16"]
 PARITY = ["--layers", "2", "--hidden-size", "256", "--heads", "8", "--query-groups", "2",
@@ -98,6 +109,7 @@ def _ensure_megatron(src: Path) -> None:
                          "prepare on the CPU machine and carry its directory")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
                     *wheels], check=True)
+    importlib.invalidate_caches()
 
 
 def _attention(args: argparse.Namespace) -> str:
@@ -115,29 +127,84 @@ def _rel_diffs(got: list[dict[str, float]], want: list[dict[str, float]]) -> lis
             for r in got if "step" in r and int(r["step"]) in ref]
 
 
-def run_parity(src: Path, out: Path, args: argparse.Namespace) -> int:
+def _start_oracle(argv: list[str], log: Path, stdout: Path) -> subprocess.Popen[bytes]:
+    """The CPU oracle as a background process (it needs minutes; the GPU runs go on)."""
+    cmd = [sys.executable, "-m", "runtime.train", *argv, "--log-jsonl", str(log), "--quiet"]
+    log.unlink(missing_ok=True)
+    f = open(stdout, "w")  # noqa: SIM115 - the child owns it until it exits
+    f.write(" ".join(cmd) + "\n")
+    f.flush()
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def run_one_gpu(src: Path, out: Path, args: argparse.Namespace) -> int:
     attention = _attention(args)
-    common = ["--framework", "megatron", "--plan", str(src / "single.arrow"), "--dataset",
-              str(src / "dataset.arrow"), "--steps", str(args.steps), "--lr", str(args.lr),
-              *(SMOKE if args.smoke else PARITY)]
+    data = ["--framework", "megatron", "--plan", str(src / "single.arrow"), "--dataset",
+            str(src / "dataset.arrow"), "--lr", str(args.lr)]
+    small = SMOKE if args.smoke else PARITY
     device = ["--device", "cpu"] if args.smoke else ["--device", "cuda", "--dtype", "bf16"]
-    rc_gpu = _launch(common + device + ["--attention", attention], 1, out / "parity_gpu.jsonl",
-                     out / "parity_gpu.txt", args.timeout)
-    rc_ref = _launch(common + ["--reference", "--device", "cpu"], 0, out / "parity_ref.jsonl",
-                     out / "parity_ref.txt", args.timeout)
+    production = device + ["--attention", attention] + PRODUCTION
+    oracle = _start_oracle(data + small + ["--steps", str(args.steps), "--reference",
+                                           "--device", "cpu"],
+                           out / "parity_ref.jsonl", out / "parity_ref.txt")
+    rows: dict[str, object] = {"attention": attention}
+    # 1. the parity run (its oracle is running on the CPU meanwhile)
+    rc = _launch(data + small + production + ["--steps", str(args.steps), "--summary-json",
+                                              str(out / "parity_summary.json")],
+                 1, out / "parity_gpu.jsonl", out / "parity_gpu.txt", args.timeout)
+    summary_path = out / "parity_summary.json"
+    rows["parity_run"] = {"rc": rc, "summary": json.loads(summary_path.read_text())
+                          if summary_path.is_file() else None}
+    # 2. throughput: Megatron's DDP + distributed optimizer against PoolGradSync + AdamW
+    big = SMOKE if args.smoke else [x for x in BIG if x not in ("--dtype", "bf16")]
+    for name, extra in (("megatron-ddp", production), ("pool", device + [
+            "--attention", attention, "--grad-sync", "pool"])):
+        log = out / f"tput_{name}.jsonl"
+        rc = _launch(data + big + extra + ["--steps", str(args.steps)], 1, log,
+                     out / f"tput_{name}.txt", args.timeout)
+        recs = _read(log)
+        rows[f"throughput_{name}"] = {
+            "rc": rc, "steps": len(recs),
+            "median_tokens_per_s": _median(recs, "tokens_per_s", args.warmup),
+            "median_step_s": _median(recs, "seconds", args.warmup),
+            "losses": [r["loss"] for r in recs]}
+    ddp_rate = rows["throughput_megatron-ddp"]["median_tokens_per_s"]  # type: ignore[index]
+    pool_rate = rows["throughput_pool"]["median_tokens_per_s"]  # type: ignore[index]
+    rows["ddp_over_pool_tokens_per_s"] = float(ddp_rate) / float(pool_rate)
+    # 3. save every 2 steps for 4 steps, then resume from step 2 (on the GPU)
+    ckpt = Path(args.checkpoint_dir)
+    shutil.rmtree(ckpt, ignore_errors=True)
+    resume = data + small + production + ["--steps", "4"]
+    rc_full = _launch(resume + ["--save", str(ckpt), "--save-every", "2"], 1,
+                      out / "resume_full.jsonl", out / "resume_full.txt", args.timeout)
+    rc_res = _launch(resume + ["--resume", str(ckpt / "step-00000002")], 1,
+                     out / "resume_part.jsonl", out / "resume_part.txt", args.timeout)
+    full = {int(r["step"]): r["loss"] for r in _read(out / "resume_full.jsonl")}
+    part = {int(r["step"]): r["loss"] for r in _read(out / "resume_part.jsonl")}
+    rows["resume"] = {"rc": [rc_full, rc_res], "uninterrupted": full, "resumed": part,
+                      "max_abs_diff": max((abs(part[s] - full[s]) for s in part if s in full),
+                                          default=float("nan"))}
+    # 1. (the oracle's half)
+    try:
+        rc_ref = oracle.wait(timeout=max(args.timeout, 1.0))
+    except subprocess.TimeoutExpired:
+        oracle.kill()
+        rc_ref = 124
     gpu, ref = _read(out / "parity_gpu.jsonl"), _read(out / "parity_ref.jsonl")
     diffs = _rel_diffs(gpu, ref)
     worst = max(diffs) if diffs else float("nan")
-    row = {"run": f"parity 1 GPU ({attention}, bf16) vs CPU Megatron oracle (fp32)",
-           "status": f"gpu rc={rc_gpu}, oracle rc={rc_ref}", "steps": len(gpu),
-           "max_rel_loss_diff": worst,
-           "median_tokens_per_s": _median(gpu, "tokens_per_s", args.warmup),
-           "losses_gpu": [r["loss"] for r in gpu], "losses_oracle": [r["loss"] for r in ref]}
-    (out / "parity.json").write_text(json.dumps(row, indent=1))
-    print(json.dumps(row, indent=1))
-    ok = rc_gpu == 0 and rc_ref == 0 and len(diffs) == args.steps and worst <= BF16_TOL
-    print(f"parity: {'PASS' if ok else 'FAIL'} (max relative loss difference {worst:.3g}, "
-          f"tolerance {BF16_TOL})")
+    rows["parity"] = {"oracle_rc": rc_ref, "steps_compared": len(diffs),
+                      "max_rel_loss_diff": worst, "losses_gpu": [r["loss"] for r in gpu],
+                      "losses_oracle": [r["loss"] for r in ref],
+                      "median_tokens_per_s": _median(gpu, "tokens_per_s", args.warmup)}
+    (out / "one_gpu.json").write_text(json.dumps(rows, indent=1))
+    print(json.dumps(rows, indent=1))
+    ok = (rows["parity_run"]["rc"] == 0 and diffs and worst <= BF16_TOL  # type: ignore[index]
+          and rows["resume"]["rc"] == [0, 0])  # type: ignore[index]
+    print(f"one GPU: {'PASS' if ok else 'FAIL'} (parity {worst:.3g} over {len(diffs)} steps, "
+          f"tolerance {BF16_TOL}; DDP / pool tokens/s {rows['ddp_over_pool_tokens_per_s']:.3f};"
+          f" resume max |diff| {rows['resume']['max_abs_diff']})")  # type: ignore[index]
     return 0 if ok else 1
 
 
@@ -180,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or os.environ.get("OUT", "out/megatron_gpu_logs"))
     out.mkdir(parents=True, exist_ok=True)
     _ensure_megatron(src)
-    return run_parity(src, out, args) if args.gpus == 1 else run_compare(src, out, args)
+    return run_one_gpu(src, out, args) if args.gpus == 1 else run_compare(src, out, args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument("--warmup", type=int, default=2, help="steps left out of the timings")
     pr.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     pr.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate")
+    pr.add_argument("--checkpoint-dir", default="/tmp/dcp-megatron-gpu-ckpt",
+                    help="where the save/resume check writes (removed first)")
     pr.add_argument("--smoke", action="store_true",
                     help="CPU, gloo, tiny model, reference attention: checks the script only")
     args = p.parse_args(argv)

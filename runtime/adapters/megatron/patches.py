@@ -1,16 +1,14 @@
-"""Workarounds for megatron-core 0.16.1, in one place: one function per workaround.
+"""Workarounds for Megatron-core (0.16.1-0.19.x) on any device, and ``apply_patches``: one
+function per workaround.
 
-Two kinds:
-
-- **CPU** (``apply_cpu_patches``, only when training on the CPU): Megatron-core assumes CUDA in
-  a few device arguments and RNG calls; nothing numeric changes. Each patched upstream module
-  gets its own ``torch`` name bound to ``_TorchView``, a view of torch whose ``torch.cuda.
-  current_device()`` answers ``"cpu"``, whose ``torch.cuda.synchronize()`` does nothing and whose
-  ``torch.zeros(..., device="cuda")`` allocates on the CPU. Only the named modules see it; torch
-  itself is untouched.
-- **Any device** (``apply_common_patches``): upstream behaviour that is wrong for this use on
-  every backend: the padding-mask scatter that ignores the caller's TP group, and pipeline
-  messages that gloo cannot tell apart with two pipeline stages.
+- **CPU** (``cpu_patches``, only when training on the CPU): Megatron-core's CUDA assumptions
+  sent to the host; nothing numeric changes.
+- **Any device** (here): upstream behaviour that is wrong for this use on every backend: the
+  padding-mask scatter that ignores the caller's TP group, pipeline messages that gloo cannot
+  tell apart with two pipeline stages, checkpoint replica ids read from the global
+  ``parallel_state``, torch AdamW's step lost by the distributed optimizer's load (no Apex or
+  TE), objects in checkpoint shards unpickled with ``weights_only=False``, TE's CP stream, and
+  three known upstream warnings.
 
 Each function says which upstream file it works around and why; all are idempotent.
 """
@@ -19,8 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
-import math
 import types
 import warnings
 from collections.abc import Callable, Iterator
@@ -30,202 +26,12 @@ import torch
 import torch.distributed as dist
 
 from runtime.adapters.megatron import mcore
-
-_applied: set[str] = set()
-
-
-def _once(name: str, fn: Callable[[], None]) -> None:
-    if name not in _applied:
-        fn()
-        _applied.add(name)
-
-
-class _HostStream:
-    """A CUDA stream's waits, as no-ops: on the CPU every operation is already in order."""
-
-    def wait_event(self, event: object) -> None:
-        del event
-
-    def wait_stream(self, stream: object) -> None:
-        del stream
-
-    def synchronize(self) -> None:
-        pass
-
-
-class _CpuCuda:
-    """``torch.cuda`` as CPU-only code needs it: a device name, a no-op synchronize and a
-    current stream whose waits do nothing."""
-
-    @staticmethod
-    def current_device() -> str:
-        return "cpu"
-
-    @staticmethod
-    def synchronize(device: object = None) -> None:
-        del device
-
-    @staticmethod
-    def current_stream(device: object = None) -> _HostStream:
-        del device
-        return _HostStream()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch.cuda, name)
-
-
-class _TorchView(types.ModuleType):
-    """``torch`` as one upstream module sees it: torch itself, plus what the patches change.
-
-    On the CPU (``send_cuda_to_cpu``) ``cuda`` is ``_CpuCuda`` and ``zeros(..., device="cuda")``
-    allocates on the CPU; with ``pipeline_messages_tagged`` ``distributed`` tags P2P messages.
-    """
-
-    def __init__(self) -> None:
-        super().__init__("torch")
-        self.on_cpu = False
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
-    def send_cuda_to_cpu(self) -> None:
-        self.on_cpu = True
-        self.cuda = _CpuCuda()
-
-    def _device(self, device: Any) -> Any:
-        return "cpu" if self.on_cpu and device == "cuda" else device
-
-    def zeros(self, *size: Any, device: object = None, **kwargs: Any) -> torch.Tensor:
-        out: torch.Tensor = torch.zeros(*size, device=self._device(device),
-                                        **kwargs)
-        return out
-
-    def tensor(self, data: Any, *, device: Any = None, **kwargs: Any) -> torch.Tensor:
-        return torch.tensor(data, device=self._device(device), **kwargs)
-
-
-def _view(module: types.ModuleType) -> _TorchView:
-    view = getattr(module, "torch", None)
-    if not isinstance(view, _TorchView):
-        view = _TorchView()
-        module.torch = view  # type: ignore[attr-defined]
-    return view
-
-
-def _redirect(module: types.ModuleType) -> None:
-    _view(module).send_cuda_to_cpu()
-
-
-def schedules_token_count_on_cpu() -> None:
-    # pipeline_parallel/schedules.py: every schedule sums the per-token loss counts into
-    # torch.zeros([], device="cuda").
-    _redirect(mcore.schedules)
-
-
-def p2p_buffers_on_cpu() -> None:
-    # pipeline_parallel/p2p_communication.py: shape and receive buffers on
-    # torch.cuda.current_device(), and torch.cuda.synchronize() after the shape exchange.
-    _redirect(mcore.p2p_communication)
-
-
-def sequence_parallel_buffers_on_cpu() -> None:
-    # tensor_parallel/mappings.py (all-gather / reduce-scatter outputs) and
-    # tensor_parallel/layers.py (the sequence-parallel all-gather in the backward of the linear
-    # layers) allocate on torch.cuda.current_device().
-    _redirect(mcore.tp_mappings)
-    _redirect(mcore.tp_layers)
-
-
-def rotary_on_cpu() -> None:
-    # models/common/embeddings/rotary_pos_embedding.py: inv_freq moved to
-    # torch.cuda.current_device() unless use_cpu_initialization.
-    _redirect(mcore.rotary_pos_embedding)
-
-
-def grad_buffers_on_cpu() -> None:
-    # distributed/param_and_grad_buffer.py: DistributedDataParallel's contiguous param and grad
-    # buffers are allocated on torch.cuda.current_device().
-    _redirect(mcore.param_and_grad_buffer)
-
-
-def optimizer_scalars_on_cpu() -> None:
-    # optimizer/optimizer.py, optimizer/distrib_optimizer.py, optimizer/clip_grads.py, utils.py: the
-    # optimizers keep found_inf / scale / norm scalars in torch.tensor(..., device="cuda") and
-    # allocate shard buffers on torch.cuda.current_device().
-    # utils.py's multi-tensor fallbacks (no Apex, no TE) return their norms in CUDA tensors.
-    for module in (mcore.optimizer_module, mcore.distrib_optimizer, mcore.optimizer_clip_grads,
-                   mcore.core_utils):
-        _redirect(module)
-
-
-_CUDA_TYPE_NAMES = {torch.float32: "torch.cuda.FloatTensor",
-                    torch.bfloat16: "torch.cuda.BFloat16Tensor",
-                    torch.float16: "torch.cuda.HalfTensor"}
-
-
-@contextlib.contextmanager
-def _cuda_type_names(params: list[torch.Tensor]) -> Iterator[None]:
-    """Each CPU parameter's ``type()`` names its CUDA twin inside the block (an instance
-    attribute, removed afterwards: torch's method is untouched)."""
-    named = []
-    try:
-        for p in params:
-            name = _CUDA_TYPE_NAMES.get(p.dtype)
-            if name is not None and p.device.type == "cpu" and "type" not in vars(p):
-                p.type = functools.partial(_type_name, name)  # type: ignore[method-assign, assignment]
-                named.append(p)
-        yield
-    finally:
-        for p in named:
-            del p.type
-
-
-def _type_name(name: str, *args: Any, **kwargs: Any) -> str:
-    if args or kwargs:
-        raise TypeError("only type() without arguments is redirected")
-    return name
-
-
-def distributed_optimizer_accepts_cpu_params() -> None:
-    # optimizer/distrib_optimizer.py (_build_model_and_main_param_groups) sorts parameters by
-    # param.type() and refuses any that is not 'torch.cuda.FloatTensor', '...HalfTensor' or
-    # '...BFloat16Tensor'; a CPU tensor's type is 'torch.FloatTensor'. During that call only,
-    # the model's CPU parameters answer with their CUDA type name; every tensor operation is
-    # the same.
-    cls: Any = mcore.distrib_optimizer.DistributedOptimizer
-    original = cls._build_model_and_main_param_groups  # a classmethod here, bound to cls
-
-    def build(*args: Any, **kwargs: Any) -> Any:
-        # The parameters are the keys of the param -> grad-buffer map among the arguments.
-        params = [k for a in (*args, *kwargs.values()) if isinstance(a, dict)
-                  for k in a if isinstance(k, torch.Tensor)]
-        with _cuda_type_names(params):
-            return original(*args, **kwargs)
-
-    cls._build_model_and_main_param_groups = staticmethod(build)
-
-
-def gradient_clipping_accepts_cpu_grads() -> None:
-    # optimizer/clip_grads.py (clip_grad_by_total_norm_fp32, which optimizer/optimizer.py
-    # imports by name) asserts param.grad.type() == 'torch.cuda.FloatTensor' before clipping.
-    module: Any = mcore.optimizer_module
-    original = module.clip_grad_by_total_norm_fp32
-
-    def clip(parameters: Any, *args: Any, **kwargs: Any) -> Any:
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        grads = [p.grad for p in params if p.grad is not None]
-        with _cuda_type_names(grads):
-            return original(params, *args, **kwargs)
-
-    module.clip_grad_by_total_norm_fp32 = clip
-
-
-def checkpoint_writer_on_cpu() -> None:
-    # dist_checkpointing/strategies/filesystem_async.py (preload_tensors) calls
-    # torch.cuda.synchronize() after copying the tensors to write to the host, and
-    # state_dict_saver.py agrees on write failures in CUDA tensors.
-    _redirect(mcore.filesystem_async)
-    _redirect(mcore.state_dict_saver)
+from runtime.adapters.megatron.cpu_patches import (
+    apply_cpu_patches,
+    ensure_memory_buffer,
+    once,
+    view,
+)
 
 
 def distributed_optimizer_restores_torch_adam_steps() -> None:
@@ -254,57 +60,6 @@ def distributed_optimizer_restores_torch_adam_steps() -> None:
 
     cls.load_state_dict = load_state_dict
 
-
-def rng_tracker_without_cuda() -> None:
-    # tensor_parallel/random.py: the training RNG tracker stores CUDA RNG states
-    # (model_parallel_cuda_manual_seed asserts CUDA) and every sequence-parallel embedding forks
-    # it. Megatron's own inference tracker forks as a no-op; with dropout 0 (the adapter's
-    # default) no random number is drawn, so nothing differs.
-    mcore.tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-
-
-class _CpuMemoryBuffer(mcore.core_utils.GlobalMemoryBuffer):  # type: ignore[misc]
-    """Megatron's scratch buffer (sequence-parallel all-gathers), allocated on the CPU."""
-
-    def get_tensor(self, tensor_shape: list[int], dtype: torch.dtype, name: str,
-                   mem_alloc_context: object = None) -> torch.Tensor:
-        del mem_alloc_context
-        need = math.prod(tensor_shape)
-        key = (name, dtype)
-        buf = self.buffer.get(key)
-        if buf is None or buf.numel() < need:
-            buf = self.buffer[key] = torch.empty(need, dtype=dtype, requires_grad=False)
-        out: torch.Tensor = buf[:need].view(*tensor_shape)
-        return out
-
-
-def memory_buffer_on_cpu() -> None:
-    # parallel_state.py / utils.py: tensor_parallel/layers.py takes its sequence-parallel
-    # all-gather buffer from parallel_state's global GlobalMemoryBuffer, which allocates on
-    # torch.cuda.current_device() (and exists only after initialize_model_parallel).
-    if mcore.parallel_state._GLOBAL_MEMORY_BUFFER is None:
-        mcore.parallel_state._GLOBAL_MEMORY_BUFFER = _CpuMemoryBuffer()
-
-
-def ensure_memory_buffer() -> None:
-    """Megatron's global scratch buffer for sequence parallelism, on GPU (needs no parallel
-    state: ``_set_global_memory_buffer`` only creates the buffer)."""
-    if mcore.parallel_state._GLOBAL_MEMORY_BUFFER is None:
-        mcore.parallel_state._set_global_memory_buffer()
-
-
-def apply_cpu_patches() -> None:
-    """Every CPU workaround (idempotent). Call before building the model."""
-    for fn in (schedules_token_count_on_cpu, p2p_buffers_on_cpu, grad_buffers_on_cpu,
-               optimizer_scalars_on_cpu, distributed_optimizer_accepts_cpu_params,
-               gradient_clipping_accepts_cpu_grads, checkpoint_writer_on_cpu,
-               distributed_optimizer_restores_torch_adam_steps,
-               sequence_parallel_buffers_on_cpu, rotary_on_cpu, rng_tracker_without_cuda,
-               memory_buffer_on_cpu):
-        _once(fn.__name__, fn)
-
-
-# ---- any device -----------------------------------------------------------------------------
 
 _SP_GROUP: contextvars.ContextVar[dist.ProcessGroup | None] = contextvars.ContextVar(
     "megatron_sp_group", default=None)
@@ -396,9 +151,9 @@ class TaggedP2PCommunicator(mcore.P2PCommunicator):  # type: ignore[misc]
 def pipeline_messages_tagged() -> None:
     # pipeline_parallel/p2p_communication.py builds its P2POps through the module's own
     # torch.distributed; TaggedP2PCommunicator's peers say which way each message goes.
-    view = _view(mcore.p2p_communication)
-    if not isinstance(view.__dict__.get("distributed"), _DistWithTags):
-        setattr(view, "distributed", _DistWithTags("torch.distributed"))  # noqa: B010
+    torch_view = view(mcore.p2p_communication)
+    if not isinstance(torch_view.__dict__.get("distributed"), _DistWithTags):
+        setattr(torch_view, "distributed", _DistWithTags("torch.distributed"))  # noqa: B010
 
 
 def quiet_upstream_warnings() -> None:
@@ -510,8 +265,9 @@ def checkpoint_bytes_weights_only() -> Iterator[None]:
 def apply_common_patches() -> None:
     """The device-independent workarounds (idempotent). Call after ``apply_cpu_patches``."""
     for fn in (padding_mask_scatter_uses_model_group, pipeline_messages_tagged,
-               quiet_upstream_warnings, sharded_state_uses_model_groups):
-        _once(fn.__name__, fn)
+               quiet_upstream_warnings, sharded_state_uses_model_groups,
+               distributed_optimizer_restores_torch_adam_steps):
+        once(fn.__name__, fn)
 
 
 def te_cp_stream_for_dynamic_groups() -> None:
@@ -533,5 +289,5 @@ def apply_patches(device: torch.device) -> None:
         apply_cpu_patches()
     else:
         ensure_memory_buffer()
-        _once(te_cp_stream_for_dynamic_groups.__name__, te_cp_stream_for_dynamic_groups)
+        once(te_cp_stream_for_dynamic_groups.__name__, te_cp_stream_for_dynamic_groups)
     apply_common_patches()
