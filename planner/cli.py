@@ -303,7 +303,8 @@ def cmd_validate(argv: list[str]) -> int:
             except ValueError as e:
                 raise ValueError(field_hint(str(e), recorded, args.field, args.plan)) from None
             lengths = table.lengths
-        validate(f.header, f, lengths, source=args.plan)
+        # Thorough: the header's description of the steps (seed, global batch, stats) too.
+        validate(f.header, f, lengths, source=args.plan, thorough=True)
         content = False
         if lengths is not None:  # the lengths match: with content fingerprints, every token
             from planner.sources.content import check_content

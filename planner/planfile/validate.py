@@ -16,6 +16,7 @@ from numpy.typing import NDArray
 from planner.groups import LAYOUTS, MAX_GROUP_TOKENS, pad_multiple, valid_cp_sizes
 from planner.planfile.coverage import Coverage
 from planner.planfile.gain import gain_errors
+from planner.planfile.headercheck import EpochBatches, StatsCheck
 from planner.planfile.schema import (
     COLUMN_NAMES,
     EVAL,
@@ -308,6 +309,7 @@ def validate(
     *,
     source: str = "plan",
     on_step: Callable[[pa.RecordBatch, dict[str, NDArray[Any]]], None] | None = None,
+    thorough: bool = False,
 ) -> None:
     """Check every invariant of PLAN_FORMAT.md; raise ValueError listing the first problems.
 
@@ -323,6 +325,11 @@ def validate(
         on_step: called with each step's batch and columns, in step order, once its own checks
             ran (its epoch's coverage is checked at the epoch's end): the streaming writer copies
             the steps this way in the same pass. Nothing it wrote counts until this returns.
+        thorough: also check the header fields that describe the steps against them
+            (``headercheck``: the global batch per step, the seed's draw order, every stat);
+            ``dcp-plan validate`` does. The writer (which derived them from the steps) and the
+            runtime (which replays rows, not those fields) do not: it costs a permutation per
+            epoch and a simulation per step.
     """
     err = _Errors()
     _check_header(header, err)
@@ -338,13 +345,21 @@ def validate(
     elif num_steps == 0:
         err.add("the plan has no steps (nothing to train)")
     err.raise_if_any(source)
+    stats = StatsCheck(header) if thorough else None
+    bounds = group_bounds(header)
     for e, (first, count) in enumerate(header.epochs):
         coverage = Coverage(header, e)
+        batches = EpochBatches(header, e, first, count, bounds) if thorough else None
         last_max = -1
         for i in range(first, first + count):
             b = steps[i]
             cols = {n: column_numpy(b, n) for n in COLUMN_NAMES}
             _check_step(i, cols, header, err)
+            if batches is not None:
+                for msg in batches.add(i, cols["sample_index"], cols["num_tokens"]):
+                    err.add(msg)
+            if stats is not None:
+                stats.add(cols)
             if header.kind == EVAL:
                 last_max = _check_eval_step(i, cols["sample_index"], last_max, header, err)
             if header.global_batch.get("blend"):
@@ -360,4 +375,9 @@ def validate(
                 _check_blend_epoch(header, blend, placed, epoch, err)
         for msg in coverage.finish(lengths, blend_check=check):
             err.add(msg)
+        for msg in batches.finish() if batches is not None else ():
+            err.add(msg)
         err.raise_if_any(source)
+    for msg in stats.finish() if stats is not None else ():
+        err.add(msg)
+    err.raise_if_any(source)
