@@ -11,6 +11,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 import numpy as np
@@ -21,6 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from planner import read_plan  # noqa: E402
 from planner.config import ParallelConfig, PlannerConfig  # noqa: E402
 from planner.cost import load_cost_model  # noqa: E402
+from planner.fileguard import atomic_output  # noqa: E402
 from planner.plan import make_plan  # noqa: E402
 from planner.planfile.io import write_plan  # noqa: E402
 from planner.sources.lengths import LengthTable, read_lengths  # noqa: E402
@@ -37,6 +39,12 @@ def _long_tail(n: int, seed: int) -> LengthTable:
                        skipped=np.zeros(0, np.int64))
 
 
+def _save(fig: Any, path: Path) -> None:
+    """Through the output guard: only over a figure, written to a temporary and renamed."""
+    with atomic_output(path, kind="figure") as tmp:
+        fig.savefig(tmp, format="png", dpi=90)
+
+
 def _render(name: str, table: LengthTable, out: Path, step: int) -> None:
     config = PlannerConfig(parallel=ParallelConfig(dp=4, cp=2), capacity_tokens_per_rank=4096,
                            global_batch_size=64 if name == "32" else 32, long_sequences="split")
@@ -44,9 +52,9 @@ def _render(name: str, table: LengthTable, out: Path, step: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = write_plan(Path(tmp) / "p.arrow", plan.header, plan.record_batches())
         view = read_plan(path)
-        view.plot_summary().savefig(out / f"plan-summary-{name}-steps.png", dpi=90)
+        _save(view.plot_summary(), out / f"plan-summary-{name}-steps.png")
         ax = view.plot_step_load(step)
-        ax.figure.savefig(out / f"plan-step-load-{name}-steps.png", dpi=90)
+        _save(ax.figure, out / f"plan-step-load-{name}-steps.png")
         plt.close("all")
         view.close()
     print(f"{name} steps: {out}/plan-summary-{name}-steps.png, plan-step-load-{name}-steps.png")

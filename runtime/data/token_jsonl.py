@@ -11,6 +11,7 @@ read, even for a short segment of a long sample).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -118,8 +119,15 @@ class JsonlTokens:
                              offsets=offsets, nbytes=nbytes,
                              lengths=lengths)
                 os.replace(tmp, p)
+            except OSError:
+                # A full disk or a quota: a cache is never worth the run (next candidate). The
+                # temporary goes; its removal's own failure never replaces the reason.
+                with contextlib.suppress(OSError):
+                    Path(tmp).unlink()
+                continue
             except BaseException:
-                Path(tmp).unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    Path(tmp).unlink()
                 raise
             self.index_path = p
             return
