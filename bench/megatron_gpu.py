@@ -101,8 +101,11 @@ def prepare(args: argparse.Namespace) -> int:
 
 
 def _ensure_megatron(src: Path) -> None:
-    if importlib.util.find_spec("megatron.core") is not None:
-        return
+    try:
+        if importlib.util.find_spec("megatron.core") is not None:
+            return
+    except ModuleNotFoundError:  # no "megatron" package at all
+        pass
     wheels = sorted(str(p) for p in (src / "wheels").glob("megatron_core-*.whl"))
     if not wheels:
         raise SystemExit(f"megatron-core is not installed and {src}/wheels has no wheel: run "
