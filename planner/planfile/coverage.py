@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numba
 import numpy as np
 from numpy.typing import NDArray
 
@@ -30,6 +31,7 @@ class Coverage:
         n = header.dataset.num_samples
         self.ends = np.zeros(n, dtype=np.int64)
         self.placed = np.zeros(n, dtype=np.bool_)
+        self.seen = np.zeros(n, dtype=np.uint8)  # _extend's scratch, all 0 between steps
         self.waiting: list[tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]] = []
         self.error: str | None = None
 
@@ -37,6 +39,13 @@ class Coverage:
         """One step's ``sample_index``, ``token_offset`` and ``num_tokens`` columns."""
         if self.error is not None:
             return
+        if not _extend(np.asarray(sample, np.int64), np.asarray(offset, np.int64),
+                       np.asarray(ntok, np.int64), self.ends, self.placed, self.seen):
+            self._add_sorted(sample, offset, ntok)
+
+    def _add_sorted(self, sample: NDArray[Any], offset: NDArray[Any], ntok: NDArray[Any]) -> None:
+        """``add`` by sorting the step's segments (what ``_extend`` does faster when every
+        segment extends its prefix): the reference, and the path that words a misfit."""
         keep = sample >= 0
         s = sample[keep].astype(np.int64)
         o = offset[keep].astype(np.int64)
@@ -123,3 +132,68 @@ class Coverage:
                 errors.append(f"epoch {epoch}: sample {j} placed tokens [0, {int(ends[j])}) "
                               f"of {int(want[j])}")
         return errors
+
+
+@numba.njit(cache=True)
+def _extend(sample: NDArray[np.int64], offset: NDArray[np.int64], ntok: NDArray[np.int64],
+            ends: NDArray[np.int64], placed: NDArray[np.bool_], seen: NDArray[np.uint8]) -> bool:
+    """``Coverage.add`` when every real segment of the step extends its sample's prefix (its
+    sample's segments in offset order: the first at ``ends``, each next where the one before
+    ends): then it records them as the numpy path would and returns True, in one pass, sorting
+    only the samples with several segments. Otherwise it changes nothing and returns False,
+    and the numpy path words the verdict."""
+    n = len(sample)
+    num_samples = len(ends)
+    ok = True
+    for j in range(n):
+        s = sample[j]
+        if s < 0:
+            continue
+        if s >= num_samples:
+            ok = False
+            break
+        seen[s] = 1 if seen[s] == 0 else 2
+    rows = np.empty(n, dtype=np.int64)
+    k = 0
+    if ok:
+        # Samples seen once: their one segment must start where the prefix ends.
+        for j in range(n):
+            s = sample[j]
+            if s < 0:
+                continue
+            if seen[s] == 1:
+                if offset[j] != ends[s]:
+                    ok = False
+                    break
+            else:
+                rows[k] = j
+                k += 1
+    if ok and k:
+        # The others by (sample, offset), ties in step order (np.lexsort's): a chain from the
+        # prefix's end.
+        rows = rows[:k]
+        rows = rows[np.argsort(offset[rows], kind="mergesort")]
+        rows = rows[np.argsort(sample[rows], kind="mergesort")]
+        for q in range(k):
+            j = rows[q]
+            first = q == 0 or sample[rows[q - 1]] != sample[j]
+            want = ends[sample[j]] if first else offset[rows[q - 1]] + ntok[rows[q - 1]]
+            if offset[j] != want:
+                ok = False
+                break
+    for j in range(n):
+        s = sample[j]
+        if 0 <= s < num_samples:
+            seen[s] = 0
+    if not ok:
+        return False
+    for j in range(n):
+        s = sample[j]
+        if s >= 0:
+            placed[s] = True
+            ends[s] = offset[j] + ntok[j]
+    # A sample with several segments ends where its last one (in that order) does.
+    for q in range(k):
+        j = rows[q]
+        ends[sample[j]] = offset[j] + ntok[j]
+    return True

@@ -138,9 +138,9 @@ class StatsAccumulator:
         key = mb.astype(np.int64) * (n + 1) + cols["rank_start"]
         first = np.ones(len(key), dtype=np.bool_)
         np.not_equal(key[1:], key[:-1], out=first[1:])
-        group_k = cols["cp_size"][first & real_rows]
+        per_size = np.bincount(cols["cp_size"][first & real_rows], minlength=n + 1)
         for k in self.groups:
-            self.groups[k] += int((group_k == k).sum())
+            self.groups[k] += int(per_size[k])
 
     def result(self, with_tight: bool = True) -> dict[str, Any]:
         """The stats of the steps added so far (policy lists are added by the caller)."""

@@ -6,6 +6,7 @@ It is vectorised with numpy so that a plan of a million rows checks in well unde
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -45,16 +46,25 @@ class _Errors:
             raise ValueError(f"{source}: invalid plan:\n  " + "\n  ".join(self.items) + more)
 
 
+@functools.lru_cache(maxsize=8)
+def _multiples(n: int, sizes: tuple[int, ...], tp_eff: int, layout: str,
+               pad_to: int) -> NDArray[np.int64]:
+    """Per size 0..n, its padding multiple (0: not an allowed size): once per plan, not per
+    step (read only)."""
+    mult_of = np.zeros(n + 1, dtype=np.int64)
+    for s in sizes:
+        if 1 <= s <= n:
+            mult_of[s] = pad_multiple(int(s), tp_eff, layout, pad_to)
+    return mult_of
+
+
 def _fast_valid(i: int, cols: dict[str, NDArray[Any]], header: PlanHeader) -> bool:
     """stepcheck.rows_valid on the step (False, so the numpy checks run, for unusual dtypes)."""
     if any(cols[name].dtype != dtype for name, dtype in NUMPY_DTYPES.items()):
         return False
     n = header.parallel.pool_size
-    mult_of = np.zeros(n + 1, dtype=np.int64)
-    for s in header.cp_sizes:
-        if 1 <= s <= n:
-            mult_of[s] = pad_multiple(int(s), header.parallel.tp_eff, header.layout,
-                                      header.pad_to_multiple)
+    mult_of = _multiples(n, tuple(header.cp_sizes), header.parallel.tp_eff, header.layout,
+                         header.pad_to_multiple)
     return bool(rows_valid(i, cols["step"], cols["microbatch"], cols["rank_start"],
                            cols["cp_size"], cols["sample_index"], cols["num_tokens"],
                            cols["padded_tokens"], n, header.capacity_tokens_per_rank, mult_of,

@@ -17,20 +17,18 @@ is below the last ``p`` asked (the *threshold*) becomes a candidate only when a 
 states, and per node
 
 - ``a_load``: the lowest load of an *active* unit below it (openable, or room >= threshold),
-  +inf if none; ``a_room``: the largest room of an active unit (pack mode's best fit);
+  +inf if none, and ``a_arg`` the first unit that has it; ``a_room``: the largest room of an
+  active unit (pack mode's best fit);
 - ``w_room``: the largest room of a *waiting* unit (the others).
 
 A question for ``p`` below the threshold first activates every waiting unit of room >= p (each
 found in O(log N) from the root; a unit activates at most once per change), then reads the
-lowest active load at the root and descends to the first unit whose end rounds to the same
-value (ends of different loads can round equal; rounding is monotone, so a subtree's lowest
-load gives its lowest end). A ``p`` above the threshold (never in the kernel's order with
+lowest active load at the root: its first unit is the answer unless a larger load ends equal
+by rounding (the next double above it does not end higher), and then it descends to the first
+unit whose end rounds to the same value (rounding is monotone, so a subtree's lowest load
+gives its lowest end). A ``p`` above the threshold (never in the kernel's order with
 non-negative cost coefficients) rewrites every unit against it, O(N). A placement rewrites the
 units it touched and their ancestors. Answers are exactly the scan's, so plans do not change.
-
-The helpers are compiled without numba's reference counting (``_nrt=False``: they take arrays
-and return scalars, allocate nothing): the kernel calls them for every segment, and counting
-the references of a dozen array arguments per call was half of a pass at N = 1024.
 
 Layout: ``width`` leaf slots (a power of two >= the unit count); node j has children 2j and
 2j + 1, node 1 is the root, unit u is leaf ``width + u``; empty slots are never active and
@@ -39,22 +37,11 @@ never wait (+inf load, room -1).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar, cast
-
 import numba
 import numpy as np
 from numpy.typing import NDArray
 
-F = TypeVar("F", bound=Callable[..., Any])
-_NO_REFCOUNT: dict[str, Any] = {"cache": True, "_nrt": False}
-
-
-def no_refcount(fn: F) -> F:
-    """``numba.njit(cache=True)`` without reference counting, for the kernel's per-segment
-    helpers: arrays in, scalars out, nothing allocated (``_nrt`` is numba's own switch; its
-    type stubs do not list it)."""
-    return cast(F, numba.njit(**_NO_REFCOUNT)(fn))
+from planner.solver.jit import no_refcount
 
 NO_THRESHOLD = np.iinfo(np.int64).max
 """The threshold before any question: only openable units are active."""
@@ -71,10 +58,11 @@ def tree_width(num_units: int) -> int:
 
 @no_refcount
 def _put(u: int, load: float, openable: bool, room: int, threshold: int, width: int,
-         a_load: NDArray[np.float64], a_room: NDArray[np.int64],
+         a_load: NDArray[np.float64], a_arg: NDArray[np.int64], a_room: NDArray[np.int64],
          w_room: NDArray[np.int64]) -> None:
     """Write unit ``u``'s leaf for ``threshold`` (ancestors are fixed by ``fix_up``)."""
     node = width + u
+    a_arg[node] = u
     if openable or room >= threshold:
         a_load[node] = load
         a_room[node] = room
@@ -86,8 +74,8 @@ def _put(u: int, load: float, openable: bool, room: int, threshold: int, width: 
 
 
 @no_refcount
-def fix_up(lo: int, hi: int, width: int, a_load: NDArray[np.float64], a_room: NDArray[np.int64],
-           w_room: NDArray[np.int64]) -> None:
+def fix_up(lo: int, hi: int, width: int, a_load: NDArray[np.float64], a_arg: NDArray[np.int64],
+           a_room: NDArray[np.int64], w_room: NDArray[np.int64]) -> None:
     """Recompute the ancestors of leaves ``lo..hi`` (inclusive), stopping at a level where
     nothing changed (nothing above it can change then)."""
     lo += width
@@ -97,11 +85,14 @@ def fix_up(lo: int, hi: int, width: int, a_load: NDArray[np.float64], a_room: ND
         hi //= 2
         changed = False
         for j in range(lo, hi + 1):
-            ld = min(a_load[2 * j], a_load[2 * j + 1])
+            left = a_load[2 * j] <= a_load[2 * j + 1]
+            ld = a_load[2 * j] if left else a_load[2 * j + 1]
+            ag = a_arg[2 * j] if left else a_arg[2 * j + 1]
             ar = max(a_room[2 * j], a_room[2 * j + 1])
             rm = max(w_room[2 * j], w_room[2 * j + 1])
-            if ld != a_load[j] or ar != a_room[j] or rm != w_room[j]:
+            if ld != a_load[j] or ag != a_arg[j] or ar != a_room[j] or rm != w_room[j]:
                 a_load[j] = ld
+                a_arg[j] = ag
                 a_room[j] = ar
                 w_room[j] = rm
                 changed = True
@@ -110,17 +101,20 @@ def fix_up(lo: int, hi: int, width: int, a_load: NDArray[np.float64], a_room: ND
 
 
 @no_refcount
-def _fix_one(u: int, width: int, a_load: NDArray[np.float64], a_room: NDArray[np.int64],
-             w_room: NDArray[np.int64]) -> None:
+def _fix_one(u: int, width: int, a_load: NDArray[np.float64], a_arg: NDArray[np.int64],
+             a_room: NDArray[np.int64], w_room: NDArray[np.int64]) -> None:
     """``fix_up(u, u, ...)``: one leaf's ancestors."""
     j = (width + u) // 2
     while j >= 1:
-        ld = min(a_load[2 * j], a_load[2 * j + 1])
+        left = a_load[2 * j] <= a_load[2 * j + 1]
+        ld = a_load[2 * j] if left else a_load[2 * j + 1]
+        ag = a_arg[2 * j] if left else a_arg[2 * j + 1]
         ar = max(a_room[2 * j], a_room[2 * j + 1])
         rm = max(w_room[2 * j], w_room[2 * j + 1])
-        if ld == a_load[j] and ar == a_room[j] and rm == w_room[j]:
+        if ld == a_load[j] and ag == a_arg[j] and ar == a_room[j] and rm == w_room[j]:
             return
         a_load[j] = ld
+        a_arg[j] = ag
         a_room[j] = ar
         w_room[j] = rm
         j //= 2
@@ -129,33 +123,35 @@ def _fix_one(u: int, width: int, a_load: NDArray[np.float64], a_room: NDArray[np
 @no_refcount
 def put_units(lo: int, hi: int, load: NDArray[np.float64], count: NDArray[np.int64],
               room: NDArray[np.int64], num_mb: int, state: NDArray[np.int64], width: int,
-              a_load: NDArray[np.float64], a_room: NDArray[np.int64],
-              w_room: NDArray[np.int64]) -> None:
+              a_load: NDArray[np.float64], a_arg: NDArray[np.int64],
+              a_room: NDArray[np.int64], w_room: NDArray[np.int64]) -> None:
     """Units ``lo..hi`` changed (their ``load``, ``count`` or ``room``): rewrite them.
 
     ``state[0]`` is the threshold. ``load``/``count``/``room`` are indexed by unit (the kernel's
     level-0 block arrays).
     """
     for u in range(lo, hi + 1):
-        _put(u, load[u], count[u] < num_mb, room[u], state[0], width, a_load, a_room, w_room)
+        _put(u, load[u], count[u] < num_mb, room[u], state[0], width, a_load, a_arg, a_room,
+             w_room)
     if lo == hi:
-        _fix_one(lo, width, a_load, a_room, w_room)
+        _fix_one(lo, width, a_load, a_arg, a_room, w_room)
     else:
-        fix_up(lo, hi, width, a_load, a_room, w_room)
+        fix_up(lo, hi, width, a_load, a_arg, a_room, w_room)
 
 
 @no_refcount
 def lowest_unit(p: int, t: float, num_units: int, load: NDArray[np.float64],
                 count: NDArray[np.int64], room: NDArray[np.int64], num_mb: int,
                 state: NDArray[np.int64], width: int, a_load: NDArray[np.float64],
-                a_room: NDArray[np.int64], w_room: NDArray[np.int64]) -> tuple[int, float]:
+                a_arg: NDArray[np.int64], a_room: NDArray[np.int64],
+                w_room: NDArray[np.int64]) -> tuple[int, float]:
     """(unit, end) of the first candidate unit of lowest ``load + t`` for ``p`` padded tokens:
     room >= p or count < num_mb; (-1, inf) when no unit is a candidate."""
     if p > state[0]:
         # Rare: the candidate set may shrink, so every unit is sorted again.
         state[0] = p
-        put_units(0, num_units - 1, load, count, room, num_mb, state, width, a_load, a_room,
-                  w_room)
+        put_units(0, num_units - 1, load, count, room, num_mb, state, width, a_load, a_arg,
+                  a_room, w_room)
     else:
         state[0] = p
         while w_room[1] >= p:
@@ -166,11 +162,14 @@ def lowest_unit(p: int, t: float, num_units: int, load: NDArray[np.float64],
             a_load[node] = load[u]
             a_room[node] = room[u]
             w_room[node] = -1
-            _fix_one(u, width, a_load, a_room, w_room)
+            _fix_one(u, width, a_load, a_arg, a_room, w_room)
     low = a_load[1]
     if low == np.inf:
         return -1, np.inf
     end = low + t
+    if np.nextafter(low, np.inf) + t > end:
+        # No other load ends as low: the first unit of the lowest load is the answer.
+        return a_arg[1], end
     # The first unit whose end rounds to ``end``: a subtree's lowest load gives its lowest end.
     node = 1
     while node < width:

@@ -137,7 +137,9 @@ def megatron_layout(tokens: NDArray[np.int64], *, pool_size: int, capacity: int,
                                             sizes=tuple(int(x) for x in sizes))
     except ValueError:
         return None
-    if not np.isin(k, sizes).all():
+    allowed = np.zeros(pool_size + 1, dtype=np.bool_)
+    allowed[sizes] = True
+    if not allowed[k].all():  # (np.isin: ~50 us a step)
         return None
     return Layout(microbatch=mb, rank_start=start, cp_size=k, position=pos, padded=padded[pos])
 

@@ -29,7 +29,8 @@ import numba
 import numpy as np
 from numpy.typing import NDArray
 
-from planner.solver.blocktree import no_refcount, tree_width
+from planner.solver.blocktree import tree_width
+from planner.solver.jit import no_refcount
 
 
 @numba.njit(cache=True)

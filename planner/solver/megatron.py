@@ -41,6 +41,7 @@ import numba
 import numpy as np
 from numpy.typing import NDArray
 
+from planner.solver.jit import no_refcount
 from planner.solver.megatron_tree import BIG, first_group, least_work, set_leaf, tree_offsets
 
 SOLVER_NAME = "megatron-greedy"
@@ -54,7 +55,7 @@ def megatron_padded(lengths: NDArray[np.int64], pool_size: int, tp_eff: int) -> 
     return -(-np.asarray(lengths, dtype=np.int64) // m) * m
 
 
-@numba.njit(cache=True)
+@no_refcount
 def _fill_once(g_size: NDArray[np.int64], num_groups: int, pool_size: int,
                sizes: NDArray[np.int64]) -> bool:
     """Grow the first smallest group to the next size; False when Megatron's rule cannot."""

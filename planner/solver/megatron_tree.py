@@ -27,6 +27,8 @@ import numba
 import numpy as np
 from numpy.typing import NDArray
 
+from planner.solver.jit import no_refcount
+
 BIG = np.iinfo(np.int64).max
 
 
@@ -48,7 +50,7 @@ def tree_offsets(pool_size: int, sizes: NDArray[np.int64]) -> tuple[NDArray[np.i
     return off, leaves
 
 
-@numba.njit(cache=True)
+@no_refcount
 def set_leaf(min_tok: NDArray[np.int64], min_work: NDArray[np.float64], off: int, leaves: int,
              q: int, tokens: int, work: float) -> None:
     """Group q of a level now holds ``tokens`` and ``work``: its leaf and its ancestors."""
@@ -67,7 +69,7 @@ def set_leaf(min_tok: NDArray[np.int64], min_work: NDArray[np.float64], off: int
         node //= 2
 
 
-@numba.njit(cache=True)
+@no_refcount
 def first_group(min_tok: NDArray[np.int64], min_work: NDArray[np.float64], off: int,
                 leaves: int, limit: int, w: float, thr: float, stack: NDArray[np.int64]) -> int:
     """The first group (creation order) with tokens <= limit and work + w <= thr, or -1."""
@@ -86,7 +88,7 @@ def first_group(min_tok: NDArray[np.int64], min_work: NDArray[np.float64], off: 
     return -1
 
 
-@numba.njit(cache=True)
+@no_refcount
 def least_work(min_tok: NDArray[np.int64], min_work: NDArray[np.float64], off: int,
                leaves: int, limit: int, stack: NDArray[np.int64]) -> float:
     """The least work of a group with tokens <= limit (inf: none)."""

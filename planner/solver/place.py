@@ -41,11 +41,11 @@ from planner.solver.blocktree import (
     NO_THRESHOLD,
     best_fit,
     lowest_unit,
-    no_refcount,
     put_units,
     tightest,
     tree_width,
 )
+from planner.solver.jit import no_refcount
 from planner.solver.leveltree import level_layout, lowest_block, mark_blocks, put_blocks
 
 BALANCE = 0
@@ -153,6 +153,7 @@ def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.f
     units = num_blocks[0]
     width = tree_width(units)
     a_load = np.full(2 * width, np.inf, dtype=np.float64)
+    a_arg = np.full(2 * width, -1, dtype=np.int64)
     a_room = np.full(2 * width, -1, dtype=np.int64)
     w_room = np.full(2 * width, -1, dtype=np.int64)
     state = np.full(1, NO_THRESHOLD, dtype=np.int64)
@@ -164,8 +165,8 @@ def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.f
     while trees and tree_top + 1 < num_levels and num_blocks[tree_top + 1] >= level_tree_blocks:
         tree_top += 1
     if trees:
-        put_units(0, units - 1, bload, bcount, blk_room, num_mb, state, width, a_load, a_room,
-                  w_room)
+        put_units(0, units - 1, bload, bcount, blk_room, num_mb, state, width, a_load, a_arg,
+                  a_room, w_room)
     # Level trees for the larger sizes.
     l_width, l_base = level_layout(num_blocks)
     j_load = np.full(l_base[-1], np.inf, dtype=np.float64)
@@ -212,7 +213,7 @@ def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.f
                 fit_b = -1
                 if trees and lv == 0:
                     best_b, best_end = lowest_unit(p, t, units, bload, bcount, blk_room, num_mb,
-                                                   state, width, a_load, a_room, w_room)
+                                                   state, width, a_load, a_arg, a_room, w_room)
                     if mode == PACK:
                         fit_b, fit_end = best_fit(p, t, limit, 0, width, 0, sizes[0] * capacity,
                                                   a_load, a_room, True, bload, blk_ng, blk_g,
@@ -300,7 +301,7 @@ def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.f
             # ones up to level ``top``.
             r = sizes[lv_pick] // k0
             put_units(b_pick * r, (b_pick + 1) * r - 1, bload, bcount, blk_room, num_mb, state,
-                      width, a_load, a_room, w_room)
+                      width, a_load, a_arg, a_room, w_room)
             for lv in range(1, min(lv_pick, tree_top) + 1):
                 r = sizes[lv_pick] // sizes[lv]
                 mark_blocks(lv, b_pick * r, (b_pick + 1) * r - 1, offset[lv], num_blocks[lv],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -9,10 +10,13 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from planner.config import ParallelConfig, PlannerConfig
 from planner.cost import load_cost_model
 from planner.plan import PlanStream, make_plan
+from planner.planfile.coverage import Coverage
 from planner.planfile.io import write_plan, write_plan_stream
 from planner.planfile.schema import COLUMN_NAMES, PlanHeader, arrow_schema, step_batch
 from planner.planfile.validate import validate
@@ -122,3 +126,48 @@ def test_coverage_finds_overlaps_across_steps(second: list[tuple[int, int, int]]
     header, batches = _two_steps([[(0, 0, 30), (1, 0, 30)], second])
     with pytest.raises(ValueError, match=message):
         validate(header, batches, np.array([30, 30], np.int64))
+
+
+@given(seed=st.integers(0, 2**32 - 1), samples=st.integers(1, 12), steps=st.integers(1, 4),
+       damage=st.sampled_from(["none", "overlap", "gap", "duplicate", "range"]))
+@settings(max_examples=200, deadline=None)
+def test_coverage_fast_path_agrees_with_sorting(seed: int, samples: int, steps: int,
+                                                damage: str) -> None:
+    """Coverage.add's one-pass path (every segment extends its prefix) records what sorting
+    the step records, and leaves every misfit to it: the same prefixes, placements and
+    verdicts, split samples in any row order and step included."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 40, samples)
+    segs = []
+    for s in range(samples):
+        cuts = np.unique(np.r_[0, rng.integers(1, lengths[s] + 1, rng.integers(0, 3)),
+                               lengths[s]])
+        segs += [(s, int(a), int(b - a)) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+    if damage == "overlap" and segs:
+        s, o, t = segs[int(rng.integers(len(segs)))]
+        segs.append((s, o, t + 1))
+    elif damage == "gap" and segs:
+        segs.pop(int(rng.integers(len(segs))))
+    elif damage == "duplicate" and segs:
+        segs.append(segs[int(rng.integers(len(segs)))])
+    elif damage == "range":
+        segs.append((samples + 3, 0, 5))
+    rng.shuffle(segs)
+    where = rng.integers(0, steps, len(segs))
+    header, _ = _two_steps([[(0, 0, 1)]])
+    header = dataclasses.replace(header, dataset=dataclasses.replace(header.dataset,
+                                                                     num_samples=samples))
+    fast, slow = Coverage(header, 0), Coverage(header, 0)
+    for i in range(steps):
+        step = [segs[j] for j in range(len(segs)) if where[j] == i]
+        cols = [np.array([x[k] for x in step] + [-1], np.int64) for k in range(3)]
+        cols[2][-1] = 0  # a filler row
+        fast.add(*cols)
+        if slow.error is None:  # what add did before its one-pass path
+            slow._add_sorted(*cols)
+        assert (fast.ends == slow.ends).all()
+        assert (fast.placed == slow.placed).all()
+        assert fast.error == slow.error
+        assert [[w.tolist() for w in x] for x in fast.waiting] == \
+            [[w.tolist() for w in x] for x in slow.waiting]
+    assert fast.finish(lengths) == slow.finish(lengths)

@@ -62,10 +62,11 @@ def test_lowest_unit_equals_the_scan(n: int, seed: int, ties: int, questions: in
     room = np.where(rng.random(n) < 0.5, rng.integers(0, 100, n), -1)
     width = tree_width(n)
     a_load = np.full(2 * width, np.inf)
+    a_arg = np.full(2 * width, -1, dtype=np.int64)
     a_room = np.full(2 * width, -1, dtype=np.int64)
     w_room = np.full(2 * width, -1, dtype=np.int64)
     state = np.full(1, NO_THRESHOLD, dtype=np.int64)
-    put_units(0, n - 1, load, count, room, num_mb, state, width, a_load, a_room, w_room)
+    put_units(0, n - 1, load, count, room, num_mb, state, width, a_load, a_arg, a_room, w_room)
     for q, p in enumerate(_ps(rng, questions, rising)):
         if q:
             # A placement: one unit, or an aligned run of them (a larger group), grows.
@@ -74,9 +75,10 @@ def test_lowest_unit_equals_the_scan(n: int, seed: int, ties: int, questions: in
             load[lo:hi + 1] += float(rng.integers(0, 3)) * 0.25
             count[lo:hi + 1] = np.minimum(num_mb, count[lo:hi + 1] + int(rng.integers(0, 2)))
             room[lo:hi + 1] = rng.integers(-1, 100, hi + 1 - lo)
-            put_units(lo, hi, load, count, room, num_mb, state, width, a_load, a_room, w_room)
+            put_units(lo, hi, load, count, room, num_mb, state, width, a_load, a_arg, a_room,
+                      w_room)
         t = float(rng.integers(1, 4)) * (0.5 if ties == 2 else 0.125)  # 1 + t > 2 rounds
-        got = lowest_unit(p, t, n, load, count, room, num_mb, state, width, a_load, a_room,
+        got = lowest_unit(p, t, n, load, count, room, num_mb, state, width, a_load, a_arg, a_room,
                           w_room)
         assert got == _scan(load, count, room, num_mb, p, t, 0.0)
 
@@ -140,14 +142,15 @@ def test_best_fit_equals_the_scan(n: int, seed: int, groups: int) -> None:
     count = rng.integers(0, 3, n)
     width = tree_width(n)
     a_load = np.full(2 * width, np.inf)
+    a_arg = np.full(2 * width, -1, dtype=np.int64)
     a_room = np.full(2 * width, -1, dtype=np.int64)
     w_room = np.full(2 * width, -1, dtype=np.int64)
     state = np.full(1, NO_THRESHOLD, dtype=np.int64)
-    put_units(0, n - 1, load, count, room, 2, state, width, a_load, a_room, w_room)
+    put_units(0, n - 1, load, count, room, 2, state, width, a_load, a_arg, a_room, w_room)
     stack = np.empty(130, dtype=np.int64)
     for p in sorted(rng.integers(1, cap + 1, 8).tolist(), reverse=True):
         t, limit = 0.25, float(rng.integers(0, 6)) * 0.25
-        lowest_unit(p, t, n, load, count, room, 2, state, width, a_load, a_room, w_room)
+        lowest_unit(p, t, n, load, count, room, 2, state, width, a_load, a_arg, a_room, w_room)
         want, want_key = (-1, np.inf), (cap + 1, 0)
         for b in range(n):
             lefts = [cap - g_fill[blk_g[b, r]] - p for r in range(ng[b])]
