@@ -31,7 +31,8 @@ def test_bench_ab_compares_whole_processes(tmp_path: Path) -> None:
          str(lengths), "--runs", "4:fast,8:balanced", "--repeats", "1"],
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [line.split() for line in proc.stdout.splitlines()[1:]]
+    rows = [line.split() for line in proc.stdout.splitlines()
+            if line.split() and line.split()[0].isdigit()]
     assert [r[:2] for r in rows] == [["4", "fast"], ["8", "balanced"]]
     if not changed:
         assert all(r[-1] == "identical" for r in rows), proc.stdout
