@@ -206,9 +206,9 @@ def assign_step(sample_index: NDArray[np.int64], token_offset: NDArray[np.int64]
     g_level[:best.num_groups] = best.g_level
     g_block[:best.num_groups] = best.g_block
     item_group = best.item_group.copy()
-    num_groups = spread(t.run.padded[t.row, 0], t.order, best.item_level, item_group, g_level,
-                        g_block, best.num_groups, params.sizes, params.capacity,
-                        params.pool_size, best.num_mb)
+    num_groups = spread(t.at(np.zeros(len(tokens), np.int64)), t.order, best.item_level,
+                        item_group, g_level, g_block, best.num_groups, params.sizes,
+                        params.capacity, params.pool_size, best.num_mb)
     mb, start, k, sample, offset, ntok, padded = emit_rows(
         np.asarray(sample_index, np.int64), np.asarray(token_offset, np.int64), tokens,
         t.at(best.item_level), t.order, best.item_level, item_group, g_level, g_block,

@@ -221,11 +221,34 @@ class ItemTables:
 
     def at(self, level: NDArray[np.int64]) -> NDArray[np.int64]:
         """Each segment's padded length at ``level`` (one level per segment)."""
-        return self.run.padded[self.row, level]
+        return _padded_at(self.run.padded, self.row, level)
 
     def cheapest(self) -> NDArray[np.int64]:
         """Each segment's smallest fitting level."""
         return self.run.min_level[self.row]
+
+    def padded_total(self, level: NDArray[np.int64] | None = None) -> int:
+        """The segments' padded tokens, each at ``level`` (default: its cheapest)."""
+        return int(_padded_sum(self.run.padded, self.run.min_level, self.row,
+                               self.row if level is None else level, level is None))
+
+
+@numba.njit(cache=True)
+def _padded_at(padded: NDArray[np.int64], row: NDArray[np.int64],
+               level: NDArray[np.int64]) -> NDArray[np.int64]:
+    out = np.empty(len(row), dtype=np.int64)
+    for i in range(len(row)):
+        out[i] = padded[row[i], level[i]]
+    return out
+
+
+@numba.njit(cache=True)
+def _padded_sum(padded: NDArray[np.int64], min_level: NDArray[np.int64],
+                row: NDArray[np.int64], level: NDArray[np.int64], cheapest: bool) -> int:
+    total = 0
+    for i in range(len(row)):
+        total += padded[row[i], min_level[row[i]] if cheapest else level[i]]
+    return total
 
 
 def item_tables(tokens: NDArray[np.int64], sizes: NDArray[np.int64], mults: NDArray[np.int64],

@@ -239,7 +239,7 @@ class StepProblem:
 
     def fill(self, num_mb: int) -> float:
         """Padded tokens (each segment at its smallest size) over N x C x ``num_mb``."""
-        need = int(self.tables.at(self.tables.cheapest()).sum())
+        need = self.tables.padded_total()
         return need / (self.params.pool_size * self.params.capacity * num_mb)
 
     def heavy_share(self) -> float:
@@ -297,7 +297,7 @@ class StepProblem:
         item_group = np.empty(n, np.int64)
         item_level[t.order] = placed_level
         item_group[t.order] = placed_group
-        padded = int(t.at(item_level).sum())
+        padded = t.padded_total(item_level)
         return Placement(num_mb=num_mb, seconds=seconds, padded=padded, num_groups=num_groups,
                          item_level=item_level, item_group=item_group,
                          g_level=g_level[:num_groups], g_block=g_block[:num_groups])
@@ -313,7 +313,7 @@ class StepProblem:
 
 def min_microbatches(tables: ItemTables, params: PackingParams) -> int:
     """ceil(padded tokens at the smallest sizes / (N C)), at least 1, rounded to the multiple."""
-    need = int(tables.at(tables.cheapest()).sum())
+    need = tables.padded_total()
     m = max(1, -(-need // (params.pool_size * params.capacity)))
     mult = params.microbatch_multiple
     return -(-m // mult) * mult

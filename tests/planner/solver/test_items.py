@@ -39,6 +39,10 @@ def test_run_tables_give_each_segment_its_own_tables(seed: int, n: int, distinct
                       (run.lone, lone), (run.work, work), (run.min_level, min_level)):
         assert (mine[t.row] == own).all()  # bit for bit
     assert (run.lengths[t.row] == step).all()
+    level = rng.integers(0, len(SIZES), n)
+    assert (t.at(level) == padded[np.arange(n), level]).all()
+    assert t.padded_total(level) == int(padded[np.arange(n), level].sum())
+    assert t.padded_total() == int(padded[np.arange(n), min_level].sum())
     # The placement order is a stable sort of descending work at the cheapest size.
     key = work[np.arange(n), min_level]
     assert (t.order == np.argsort(-key, kind="stable")).all()
