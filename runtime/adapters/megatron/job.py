@@ -206,7 +206,16 @@ class PlanJob:
 
     def layer_spec(self, config: mcore.TransformerConfig, vp_stage: int | None = None) -> object:
         """The block spec for one chunk: Megatron's local spec with the adapter's core
-        attention (``attention="plan"``, any device) or Megatron's TE spec (``"te"``)."""
+        attention (``attention="plan"``, any device) or Megatron's TE spec (``"te"``).
+
+        Raises:
+            ValueError: ``attention="plan"`` with a normalization other than RMSNorm (its spec
+                swaps in a sequence-parallel RMSNorm; Megatron's torch fallbacks refuse SP).
+        """
+        if self.attention != "te" and config.normalization != "RMSNorm":
+            raise ValueError(f"attention {self.attention!r} builds RMSNorm layers; the config "
+                             f"says normalization={config.normalization!r} (use RMSNorm, or "
+                             "attention='te' on a GPU)")
         return layer_spec(config, attention=self.attention, vp_stage=vp_stage,
                           pp_rank=self.topology.pp_rank)
 
