@@ -22,6 +22,11 @@ def launch(cfg: TrainConfig, model_config: GPTConfig, *, reference: bool) -> int
     """Run ``cfg`` through Megatron-core (``reference``: its one-process oracle); exit status."""
     if reference:
         require_one_process()
+    elif cfg.device == "cpu" and cfg.dtype == "bf16" and cfg.megatron.grad_sync != "pool":
+        # Megatron's bf16 (bf16 weights, fp32 main weights) runs on CUDA tensors only; on the
+        # CPU the adapter trains in fp32, as its tests do.
+        raise ValueError("--framework megatron --bf16 is Megatron's mixed precision, for "
+                         "--device cuda; on the CPU train in fp32 (--dtype fp32)")
     # Megatron's oracle builds its model on a process group of one rank, so it runs inside too.
     with process_group(cfg):
         if reference:

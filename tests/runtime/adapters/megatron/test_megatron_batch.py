@@ -49,3 +49,18 @@ def test_padding_mask_marks_real_tokens_in_the_shard_layout(tmp_path: Path) -> N
                 assert psp.cu_seqlens_q_padded.tolist() == cu.tolist()
                 assert psp.max_seqlen_q == int(rows.padded_tokens.max())
     assert seen_padding > 0  # the plan pads (tp 2 with SP): the test can see a wrong mask
+
+
+def test_megatron_bf16_on_the_cpu_is_refused_before_any_work(tmp_path: Path,
+                                                              capsys: object) -> None:
+    from runtime.train.cli import main
+
+    lengths = np.random.default_rng(3).integers(2, 30, size=12)
+    data = write_dataset(tmp_path / "d.arrow", lengths, MODEL.vocab_size)
+    plan = random_plan(tmp_path / "p.arrow", lengths, dp=1, cp=1, num_steps=1,
+                       microbatches=1, seed=1)
+    rc = main(["--framework", "megatron", "--plan", str(plan), "--dataset", str(data),
+               "--dtype", "bf16", "--vocab-size", "64"])
+    assert rc == 2
+    err = capsys.readouterr().err  # type: ignore[attr-defined]
+    assert "--bf16 is Megatron's mixed precision, for --device cuda" in err
