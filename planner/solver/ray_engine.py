@@ -127,6 +127,7 @@ def connected(workers: int, address: str) -> Iterator[tuple[int, bool]]:
     started = False
     if not ray.is_initialized():
         check_address(address)
+        _no_failure_handler(ray)
         quiet: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.ERROR,
                                  "log_to_driver": False}
         with _signals_held(ray) as held:
@@ -158,11 +159,25 @@ def connected(workers: int, address: str) -> Iterator[tuple[int, bool]]:
             _shutdown(ray)
 
 
+def _no_failure_handler(ray: ModuleType) -> None:
+    """Keep Ray's C++ failure-signal handler out of this (driver) process.
+
+    The core worker installs it for SIGTERM among the fatal signals during ``ray.init`` (a SIGTERM
+    then dumped a C++ stack and re-raised) and, in ``ray.shutdown``, resets SIGTERM and SIGINT to
+    the default action at the C level for about a second (measured with ``sigaction``: Python's
+    handler is not called, a SIGTERM then kills the process with no word and its temporary plan
+    left behind). Ray reads this switch when the driver's core worker is made; its workers, other
+    processes, keep their handler.
+    """
+    constants = getattr(ray._private, "ray_constants", None)
+    if constants is not None and hasattr(constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER"):
+        constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+
+
 def _shutdown(ray: ModuleType) -> None:
-    """``ray.shutdown``, then the caller's signal handlers again: Ray's core worker resets the
-    process's SIGTERM and SIGINT to the default action on its way down (behind Python's back:
-    ``signal.getsignal`` still names the old handler), so a SIGTERM during the plan's final
-    validation would have killed it with its temporary file left behind. A signal during the
+    """``ray.shutdown``, then the caller's signal handlers again (a Ray whose core worker was
+    made with its failure handler, by the caller, resets SIGTERM and SIGINT to the default action
+    on its way down, behind Python's back; see ``_no_failure_handler``). A signal during the
     shutdown is held, as during the start-up, and delivered after it."""
     with _signals_held(ray) as held:  # an exception raised inside the shutdown could abort
         ray.shutdown()
