@@ -27,6 +27,11 @@ weights; its DDP with ``--overlap-grad-reduce``, ``--use-distributed-optimizer``
 3. save and resume on the GPU: ``--save-every 2`` for 4 steps, then ``--resume`` from step 2;
    the resumed steps' losses against the uninterrupted run's.
 
+``run --gpus 1 --moe``: only the mixture-of-experts parity (``bench/megatron_gpu_moe.py``):
+the parity model with 4 experts (top 2) per layer, ``seq_aux_loss`` and ``global_aux_loss``,
+through TE in bf16 against the fp32 CPU oracle (loss and load-balancing term per step, the
+share of routing choices that differ, ``global_aux_loss``'s statistics pass in tokens/s).
+
 ``run --gpus 2``: ``torchrun --nproc-per-node 2 -m runtime.train --framework megatron`` for the
 dynamic and the static plan (same samples in every step), an 8-layer hidden-2048 GQA model in
 bf16: median step time and tokens/s after ``--warmup`` steps, speed-up of dynamic over static;
@@ -39,6 +44,7 @@ Commands::
     # GPU machine, carry ["out/megatron_gpu"]; install TE first (shared/gpu-wheels/README.md):
     python3 bench/megatron_gpu.py run --gpus 1 --out $OUT
     python3 bench/megatron_gpu.py run --gpus 2 --out $OUT
+    python3 bench/megatron_gpu.py run --gpus 1 --moe --steps 4 --warmup 1 --out $OUT
     # the orchestration on this CPU machine (gloo, tiny model, reference attention; ~3 min):
     .venv/bin/python bench/megatron_gpu.py prepare --dir /tmp/mg --samples 60 --capacity 256 \\
         --global-batch-tokens 2048 --no-wheels
@@ -60,6 +66,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.megatron_gpu_moe import TYPES as MOE_TYPES  # noqa: E402
+from bench.megatron_gpu_moe import run_moe  # noqa: E402
 from bench.torchtitan_gpu import _launch, _median, _read, _te_importable  # noqa: E402
 
 DEFAULT_DIR = ROOT / "out" / "megatron_gpu"
@@ -141,13 +149,18 @@ def _start_oracle(argv: list[str], log: Path, stdout: Path) -> subprocess.Popen[
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
 
-def run_one_gpu(src: Path, out: Path, args: argparse.Namespace) -> int:
+def _one_gpu_flags(args: argparse.Namespace) -> tuple[str, list[str], list[str], list[str]]:
+    """(attention, the parity model's flags, the device's, the production run's)."""
     attention = _attention(args)
-    data = ["--framework", "megatron", "--plan", str(src / "single.arrow"), "--dataset",
-            str(src / "dataset.arrow"), "--lr", str(args.lr)]
     small = SMOKE if args.smoke else PARITY
     device = ["--device", "cpu"] if args.smoke else ["--device", "cuda", "--dtype", "bf16"]
-    production = device + ["--attention", attention] + PRODUCTION
+    return attention, small, device, device + ["--attention", attention] + PRODUCTION
+
+
+def run_one_gpu(src: Path, out: Path, args: argparse.Namespace) -> int:
+    attention, small, device, production = _one_gpu_flags(args)
+    data = ["--framework", "megatron", "--plan", str(src / "single.arrow"), "--dataset",
+            str(src / "dataset.arrow"), "--lr", str(args.lr)]
     oracle = _start_oracle(data + small + ["--steps", str(args.steps), "--reference",
                                            "--device", "cpu"],
                            out / "parity_ref.jsonl", out / "parity_ref.txt")
@@ -249,7 +262,13 @@ def run(args: argparse.Namespace) -> int:
     src = Path(args.dir)
     out = Path(args.out or os.environ.get("OUT", "out/megatron_gpu_logs"))
     out.mkdir(parents=True, exist_ok=True)
+    if args.moe and args.gpus != 1:
+        raise SystemExit("--moe runs on one GPU: use --gpus 1")
     _ensure_megatron(src)
+    if args.moe:
+        _, small, _, production = _one_gpu_flags(args)
+        return run_moe(src, out, args, small=small, production=production,
+                       start_oracle=_start_oracle, tol=BF16_TOL)
     return run_one_gpu(src, out, args) if args.gpus == 1 else run_compare(src, out, args)
 
 
@@ -277,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate")
     pr.add_argument("--checkpoint-dir", default="/tmp/dcp-megatron-gpu-ckpt",
                     help="where the save/resume check writes (removed first)")
+    pr.add_argument("--moe", action="store_true",
+                    help="only the mixture-of-experts parity (bench/megatron_gpu_moe.py)")
+    pr.add_argument("--moe-types", default=",".join(MOE_TYPES),
+                    help="--moe: the load-balancing types, comma-separated")
     pr.add_argument("--smoke", action="store_true",
                     help="CPU, gloo, tiny model, reference attention: checks the script only")
     args = p.parse_args(argv)

@@ -106,3 +106,27 @@ def test_megatron_own_job_example_runs_on_four_ranks(checkout: Path) -> None:
         assert 0 < r["loss"] < 12
         assert math.isfinite(r["grad_norm"])
         assert r["grad_norm"] > 0
+
+
+MOE = "Mixture of experts (Megatron-core)"
+
+
+@pytest.mark.dist
+def test_megatron_moe_example_equals_its_oracle(checkout: Path) -> None:
+    # The MoE example as written: 4 ranks (CP groups of 1, 2 and 4) and the one-process oracle
+    # write the same step line, load-balancing term and tokens per expert included.
+    import json
+
+    pytest.importorskip("megatron.core")
+    from runtime.data.plan_reader import PlanReader
+
+    run_bash(readme_block(MOE, "bash", 0), checkout)
+    reader = PlanReader(checkout / "plans" / "moe.arrow")
+    assert {int(k) for k in reader.step(0).group_cp_size} == {1, 2, 4}
+    got, want = ([json.loads(line) for line in (checkout / "plans" / name).read_text().splitlines()]
+                 for name in ("moe.jsonl", "moe-oracle.jsonl"))
+    assert len(got) == len(want) == 1
+    for key in ("loss", "grad_norm", "moe_aux_loss"):
+        assert abs(got[0][key] - want[0][key]) <= 1e-6 * abs(want[0][key]), (key, got, want)
+    assert got[0]["moe_tokens_per_expert"] == want[0]["moe_tokens_per_expert"]
+    assert got[0]["loss_tokens"] == want[0]["loss_tokens"]

@@ -49,6 +49,7 @@ from runtime.train.common import (
     require_one_process,
 )
 from runtime.train.guards import Terminated, describe_dist_error, raise_terminated
+from runtime.train.megatron_options import LOAD_BALANCING_TYPES
 from runtime.train.model import (
     MODEL_FLAGS,
     GPTConfig,
@@ -72,6 +73,25 @@ REFUSED = {
     "dcp-plan, then launch dp x cp ranks",
     "--tensor-model-parallel-size": "the plan's header fixes the parallel layout (dcp-plan "
     "--tp); dcp-train's model runs tp = 1, Megatron's with --framework megatron",
+    # Mixture-of-experts features the adapter does not run under dynamic CP (yet).
+    "--expert-model-parallel-size": "expert parallelism is not supported yet: every rank "
+    "holds all experts (EP 1; experts split over --tp as the dense layers are)",
+    "--expert-tensor-parallel-size": "experts are split over the plan's tp, as the dense "
+    "layers are",
+    "--moe-expert-capacity-factor": "routing is dropless: with a capacity, whether a token "
+    "reaches its experts depends on the other tokens of its microbatch, so on how the plan "
+    "packed the step; drop it",
+    "--moe-pad-expert-input-to-capacity": "routing is dropless (no capacity); drop it",
+    "--moe-token-drop-policy": "routing is dropless (no token is dropped); drop it",
+    "--moe-z-loss-coeff": "the router z-loss is not handled under dynamic CP yet; balance "
+    "with --moe-aux-loss-coeff and --moe-router-load-balancing-type",
+    "--moe-router-enable-expert-bias": "the expert-bias update is not handled under dynamic CP "
+    "yet; use --moe-router-load-balancing-type global_aux_loss",
+    "--moe-token-dispatcher-type": "the adapter runs Megatron's alltoall dispatcher",
+    "--moe-input-jitter-eps": "random jitter per token makes the run depend on how the plan "
+    "packs the tokens; drop it",
+    "--moe-grouped-gemm": "experts run as Megatron's SequentialMLP (grouped GEMMs are not "
+    "supported yet); drop it",
 }
 """Megatron flags that mean nothing to dcp-train, refused with what to do instead."""
 
@@ -156,6 +176,25 @@ def _parser() -> argparse.ArgumentParser:
     mg.add_argument("--grad-sync", choices=GRAD_SYNCS, default="megatron-ddp",
                     help="megatron-ddp (Megatron's DistributedDataParallel) or pool (the "
                     "adapter's plain all-reduce per gradient, the benchmark baseline)")
+    mg.add_argument("--num-experts", type=nonnegative_int, default=0, metavar="E",
+                    help="mixture of experts: E experts in every layer's MLP (0: dense)")
+    mg.add_argument("--moe-router-topk", type=int, default=2, metavar="K",
+                    help="experts per token (dropless routing)")
+    mg.add_argument("--moe-ffn-hidden-size", type=nonnegative_int, default=0, metavar="N",
+                    help="each expert's SwiGLU width (0: --ffn-hidden-size)")
+    mg.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, metavar="C",
+                    help="weight of the load-balancing loss (0: none)")
+    mg.add_argument("--moe-router-load-balancing-type", choices=LOAD_BALANCING_TYPES,
+                    default="aux_loss",
+                    help="aux_loss: per microbatch CP group (depends on the packing); "
+                    "seq_aux_loss: per sequence; global_aux_loss: per step (one extra forward "
+                    "pass a step for the step's routing statistics)")
+    mg.add_argument("--mtp-num-layers", type=nonnegative_int, default=0, metavar="D",
+                    help="multi-token prediction: D extra layers, layer d predicting the token "
+                    "d + 1 ahead (0: none)")
+    mg.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1, metavar="S",
+                    help="weight of the MTP loss (the mean over depths of each depth's "
+                    "per-token mean)")
     refuse(p, REFUSED)
     return p
 
@@ -165,7 +204,13 @@ def _megatron_options(a: argparse.Namespace) -> MegatronOptions:
                            overlap_grad_reduce=a.overlap_grad_reduce,
                            overlap_param_gather=a.overlap_param_gather,
                            ddp_bucket_size=a.ddp_bucket_size, clip_grad=a.clip_grad,
-                           grad_sync=a.grad_sync)
+                           grad_sync=a.grad_sync, num_experts=a.num_experts,
+                           moe_router_topk=a.moe_router_topk,
+                           moe_ffn_hidden_size=a.moe_ffn_hidden_size,
+                           moe_aux_loss_coeff=a.moe_aux_loss_coeff,
+                           moe_router_load_balancing_type=a.moe_router_load_balancing_type,
+                           mtp_num_layers=a.mtp_num_layers,
+                           mtp_loss_scaling_factor=a.mtp_loss_scaling_factor)
 
 
 def _plan_datasets(parser: argparse.ArgumentParser, plan: str) -> tuple[str, ...]:

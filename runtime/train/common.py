@@ -147,6 +147,12 @@ class StepLog:
     """The step's loss or gradients were not finite and its update was skipped."""
     grad_norm: float | None = None
     """The global gradient norm the optimizer reported (Megatron's), where it reports one."""
+    moe_aux_loss: float | None = None
+    """A MoE model's load-balancing term of the step (weighted by its coefficient)."""
+    moe_tokens_per_expert: list[list[int]] | None = None
+    """A MoE model's real tokens per expert in the step, one list per MoE layer."""
+    mtp_loss: list[float] | None = None
+    """Multi-token prediction: each depth's per-token loss over the step (unweighted)."""
 
     def to_json(self) -> str:
         d: dict[str, Any] = {
@@ -154,8 +160,9 @@ class StepLog:
             "loss_tokens": self.loss_tokens, "microbatches": self.microbatches,
             "seconds": round(self.seconds, 6),
             "tokens_per_s": round(self.tokens / max(self.seconds, 1e-9), 1)}
-        if self.grad_norm is not None:
-            d["grad_norm"] = self.grad_norm
+        for name in ("grad_norm", "moe_aux_loss", "moe_tokens_per_expert", "mtp_loss"):
+            if getattr(self, name) is not None:
+                d[name] = getattr(self, name)
         if self.skipped:
             d["skipped"] = True
         return json.dumps(d)

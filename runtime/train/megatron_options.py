@@ -1,8 +1,9 @@
-"""Megatron-core's data-parallel and optimizer settings of a run (``TrainConfig.megatron``).
+"""Megatron-core's settings of a run (``TrainConfig.megatron``): mixture-of-experts and
+multi-token prediction on top of ``dcp-train``'s model shape, data parallelism and the optimizer.
 
 Plain data, no Megatron import: every engine's config carries them, and the engines other than
 ``--framework megatron`` refuse any that is not the default (``dcp-train`` says so at parse
-time).
+time). Field names are Megatron-LM's flags (``num_experts`` is ``--num-experts``).
 """
 
 from __future__ import annotations
@@ -14,11 +15,31 @@ GRAD_SYNCS = ("megatron-ddp", "pool")
 adapter's plain all-reduce per gradient (``PoolGradSync``: the baseline it is benchmarked
 against)."""
 
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+"""``--moe-router-load-balancing-type``: what each means under dynamic CP is in
+``runtime.adapters.megatron.moe`` (and the README)."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MegatronOptions:
-    """Megatron-core's data-parallel and optimizer settings (its flag names); only
+    """Megatron-core's MoE, MTP, data-parallel and optimizer settings (its flag names); only
     ``--framework megatron`` reads them, the other engines refuse any that is not the default."""
+
+    num_experts: int = 0
+    """Experts per MoE layer (every layer's MLP); 0: a dense model."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (dropless: every token reaches all of them)."""
+    moe_ffn_hidden_size: int = 0
+    """Each expert's SwiGLU width; 0: the dense ``--ffn-hidden-size``."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss (0: none)."""
+    moe_router_load_balancing_type: str = "aux_loss"
+    """``aux_loss`` (per microbatch CP group), ``seq_aux_loss`` (per sequence),
+    ``global_aux_loss`` (per step) or ``none``."""
+    mtp_num_layers: int = 0
+    """Multi-token prediction depth: layer d predicts the token d + 1 ahead (0: none)."""
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the MTP loss: the mean over depths of each depth's per-token mean."""
 
     use_distributed_optimizer: bool = False
     """Megatron's distributed optimizer: optimizer state and fp32 master weights sharded over
@@ -48,8 +69,60 @@ class MegatronOptions:
             raise ValueError(f"--ddp-bucket-size must be >= 1, got {self.ddp_bucket_size}")
         if not self.clip_grad >= 0:
             raise ValueError(f"--clip-grad must be >= 0, got {self.clip_grad}")
+        self._check_moe()
+        if self.mtp_num_layers < 0:
+            raise ValueError(f"--mtp-num-layers must be >= 0, got {self.mtp_num_layers}")
+        if not self.mtp_loss_scaling_factor >= 0:
+            raise ValueError("--mtp-loss-scaling-factor must be >= 0, got "
+                             f"{self.mtp_loss_scaling_factor}")
+
+    def _check_moe(self) -> None:
+        if self.num_experts < 0:
+            raise ValueError(f"--num-experts must be >= 0, got {self.num_experts}")
+        if self.moe_router_load_balancing_type not in LOAD_BALANCING_TYPES:
+            raise ValueError("--moe-router-load-balancing-type must be one of "
+                             f"{', '.join(LOAD_BALANCING_TYPES)}, got "
+                             f"{self.moe_router_load_balancing_type!r}")
+        if not self.moe_aux_loss_coeff >= 0:
+            raise ValueError(f"--moe-aux-loss-coeff must be >= 0, got {self.moe_aux_loss_coeff}")
+        if self.moe_ffn_hidden_size < 0:
+            raise ValueError(f"--moe-ffn-hidden-size must be >= 0, got "
+                             f"{self.moe_ffn_hidden_size}")
+        if not self.num_experts:
+            moe = [f for f in ("moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff",
+                               "moe_router_load_balancing_type")
+                   if getattr(self, f) != _default(f)]
+            if moe:
+                raise ValueError(f"{', '.join('--' + f.replace('_', '-') for f in moe)}: "
+                                 "MoE options; set --num-experts")
+        elif not 1 <= self.moe_router_topk <= self.num_experts:
+            raise ValueError(f"--moe-router-topk must be in 1..{self.num_experts} (the "
+                             f"experts), got {self.moe_router_topk}")
+
+    @property
+    def moe(self) -> bool:
+        """A mixture-of-experts model."""
+        return self.num_experts > 0
+
+    @property
+    def load_balancing(self) -> str | None:
+        """The load-balancing loss in effect (None: no MoE, ``none`` or a zero coefficient)."""
+        if (not self.moe or self.moe_router_load_balancing_type == "none"
+                or self.moe_aux_loss_coeff == 0):
+            return None
+        return self.moe_router_load_balancing_type
+
+    def model_meta(self) -> dict[str, object]:
+        """The model fields a checkpoint must match (empty for a dense model without MTP)."""
+        if not (self.moe or self.mtp_num_layers):
+            return {}
+        names = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "mtp_num_layers")
+        return {n: getattr(self, n) for n in names}
 
     def changed(self) -> list[str]:
         """The fields that differ from the defaults (what another engine must refuse)."""
-        default = MegatronOptions()
-        return [f for f in self.__slots__ if getattr(self, f) != getattr(default, f)]
+        return [f for f in self.__slots__ if getattr(self, f) != _default(f)]
+
+
+def _default(name: str) -> object:
+    return MegatronOptions.__dataclass_fields__[name].default

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -74,6 +75,24 @@ SegmentLogits = Callable[[torch.Tensor], torch.Tensor]
 """One whole segment's token ids ``[n]`` (on the device) -> its logits ``[n, V]``: the framework's
 model, positions 0..n-1, full causal attention, under the run's autocast."""
 
+Segment = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""(tokens, labels, loss mask) of one segment (``sequences_of_step``)."""
+
+
+class SegmentTerms(Protocol):
+    """Loss terms an engine's oracle adds to the LM loss (Megatron's MoE load balancing and
+    multi-token prediction), computed with the same every-segment-alone rule."""
+
+    def begin_step(self, step: int, segments: list[Segment]) -> None:
+        """Before the step's first backward: every segment (on the device), in plan order."""
+
+    def extra(self, index: int) -> torch.Tensor | None:
+        """After segment ``index``'s forward: a term added to its loss sum (backpropagated;
+        divided by the step's loss tokens with it), or None."""
+
+    def end_step(self, loss_tokens: float) -> dict[str, Any]:
+        """The step log's extra fields (``StepLog``)."""
+
 
 def segment_loss_sum(logits_of: SegmentLogits, seq: torch.Tensor, labels: torch.Tensor,
                      mask: torch.Tensor) -> torch.Tensor:
@@ -85,19 +104,26 @@ def segment_loss_sum(logits_of: SegmentLogits, seq: torch.Tensor, labels: torch.
 def reference_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, reader: PlanReader,
                    source: TokenSource, step: int, vocab_size: int, cfg: TrainConfig,
                    device: torch.device, logits_of: SegmentLogits, *,
-                   clip_grad: float | None = None) -> StepLog:
+                   clip_grad: float | None = None, terms: SegmentTerms | None = None) -> StepLog:
     """One oracle step, every framework's: each segment alone, loss = sum / loss tokens of the
     step (gradients likewise), the non-finite guard, then the optimizer.
 
     ``clip_grad`` (an engine whose optimizer reports the gradient norm, Megatron's): the
-    global norm of the gradients is logged, and they are clipped to it when it is > 0."""
+    global norm of the gradients is logged, and they are clipped to it when it is > 0.
+    ``terms``: loss terms beyond the LM loss (``SegmentTerms``), in the gradient, not in the
+    logged loss."""
     t0 = time.perf_counter()
     optimizer.zero_grad(set_to_none=False)
     total, count, tokens = 0.0, 0.0, 0
-    for seq, labels, mask in sequences_of_step(reader, source, step, vocab_size):
+    segments: Iterable[Segment] = sequences_of_step(reader, source, step, vocab_size)
+    if terms is not None:
+        segments = [(a.to(device), b.to(device), c.to(device)) for a, b, c in segments]
+        terms.begin_step(step, segments)
+    for index, (seq, labels, mask) in enumerate(segments):
         seq, labels, mask = seq.to(device), labels.to(device), mask.to(device)
         loss_sum = segment_loss_sum(logits_of, seq, labels, mask)
-        loss_sum.backward()  # type: ignore[no-untyped-call]
+        extra = terms.extra(index) if terms is not None else None
+        (loss_sum if extra is None else loss_sum + extra).backward()  # type: ignore[no-untyped-call]
         total += float(loss_sum.detach())
         count += float(mask.sum())
         tokens += len(seq)
@@ -114,9 +140,10 @@ def reference_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rea
                     else torch.nn.utils.get_total_norm(grads))
             grad_norm = float(norm)
         optimizer.step()
+    fields = terms.end_step(count) if terms is not None else {}
     return StepLog(step=step, loss=total / max(count, 1.0), tokens=tokens, loss_tokens=int(count),
                    microbatches=0, seconds=time.perf_counter() - t0, skipped=skipped,
-                   grad_norm=grad_norm)
+                   grad_norm=grad_norm, **fields)
 
 
 def reference_eval(model: torch.nn.Module, reader: PlanReader, source: TokenSource,

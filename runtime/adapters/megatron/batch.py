@@ -12,6 +12,8 @@ microbatch, lazily (at most one ahead of the schedule), with only the fields its
   tokens' layout. Under sequence parallelism Megatron's ``GPTModel`` scatters it over the TP
   ranks on the first stage; on the other stages the hidden states are already scattered, so it
   arrives here as this TP rank's ``[1, T / tp]`` slice;
+- ``segments``: ``Segments``, which row (sequence) of the group each of this rank's slots holds
+  and each row's real tokens: what a per-sequence statistic needs (``moe.py``);
 - ``attention_mask``: None (causality and document boundaries are in the packing metadata);
 - ``packed_seq_params``: ``PackedSeqParams(qkv_format="thd")`` with 1-D int32 ``cu_seqlens_q/kv``
   (real lengths) and ``cu_seqlens_q/kv_padded`` (padded lengths), global (not divided by the CP
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -43,13 +46,34 @@ from runtime.train.model import check_token_ids
 Batch = dict[str, Any]
 
 
-def padding_mask(rows: GroupRows, layout: str) -> torch.Tensor:
-    """True where this rank's slot of the packed buffer holds a real token (1-D bool)."""
+@dataclass(frozen=True, slots=True)
+class Segments:
+    """The group's rows as this rank's slots see them (``batch["segments"]``)."""
+
+    seq_index: torch.Tensor
+    """int64 [slots]: the row of the group (0..rows-1) each of this rank's slots belongs to,
+    padding included (a padded slot belongs to the row it pads), in the tokens' layout."""
+    seq_tokens: torch.Tensor
+    """int64 [rows]: real tokens of each row (all ranks of the group)."""
+    group_tokens: int
+    """Real tokens of the whole group."""
+    rank_start: int
+    """The group's block: pool ranks [rank_start, rank_start + cp_size)."""
+    cp_size: int
+
+
+def slots(rows: GroupRows, layout: str) -> tuple[np.ndarray, np.ndarray]:
+    """(row of each of this rank's slots, whether the slot holds a real token)."""
     cu_pad = np.zeros(len(rows.padded_tokens) + 1, dtype=np.int64)
     np.cumsum(rows.padded_tokens, out=cu_pad[1:])
     idx = shard_indices_np(layout, cu_pad, rows.cp_size, rows.cp_rank)
     row = np.searchsorted(cu_pad[1:], idx, side="right")
-    return torch.from_numpy(idx - cu_pad[row] < rows.num_tokens[row])
+    return row, idx - cu_pad[row] < rows.num_tokens[row]
+
+
+def padding_mask(rows: GroupRows, layout: str) -> torch.Tensor:
+    """True where this rank's slot of the packed buffer holds a real token (1-D bool)."""
+    return torch.from_numpy(slots(rows, layout)[1])
 
 
 def packed_seq_params(mb: MicrobatchInputs, cp_group: Any) -> mcore.PackedSeqParams:
@@ -106,6 +130,10 @@ class PlanBatches:
         """The plan's microbatch count of ``step``."""
         return self.reader.step(step).num_microbatches
 
+    def step_tokens(self, step: int) -> int:
+        """Real tokens of ``step`` over the whole pool."""
+        return int(np.asarray(self.reader.step(step).num_tokens, dtype=np.int64).sum())
+
     def rows(self, step: int, microbatch: int) -> GroupRows:
         """The plan rows of this rank's group in one microbatch."""
         return self.reader.step(step).group_for(microbatch, self._pool_rank)
@@ -130,10 +158,15 @@ class PlanBatches:
         dropped; also used for evaluation microbatches, which ``EvalSchedule`` builds)."""
         first, last = self.stage_of(chunk)
         mb = to_device(mb, self.device)
-        mask = padding_mask(rows, self.reader.layout)
+        slot_rows, real = slots(rows, self.reader.layout)
+        mask = torch.from_numpy(real)
         if self._sp_split and not first:
             mask = mask.chunk(self._tp)[self._tp_rank]
         group = self.groups.cp_group(rows.rank_start, rows.cp_size)
+        segments = Segments(seq_index=torch.from_numpy(slot_rows).to(self.device),
+                            seq_tokens=torch.from_numpy(rows.num_tokens).to(self.device),
+                            group_tokens=int(rows.num_tokens.sum()),
+                            rank_start=rows.rank_start, cp_size=rows.cp_size)
 
         def row(t: torch.Tensor | None, keep: bool) -> torch.Tensor | None:
             return None if t is None or not keep else t[None]
@@ -142,7 +175,7 @@ class PlanBatches:
             "tokens": row(mb.tokens, first), "position_ids": row(mb.position_ids, first),
             "labels": row(mb.labels, last), "loss_mask": row(mb.loss_mask, last),
             "attention_mask": None, "padding_mask": mask[None].to(self.device),
-            "packed_seq_params": packed_seq_params(mb, group),
+            "packed_seq_params": packed_seq_params(mb, group), "segments": segments,
         }
 
     def _iterate(self, step: int, chunk: int) -> Iterator[Batch]:

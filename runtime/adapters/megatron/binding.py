@@ -6,7 +6,9 @@ application: ``transformer/attention.py`` rotates q and k with ``self.pg_collect
 build-time group, so with a microbatch group of another size the THD split fails
 (``split_with_sizes``) or, worse, rotates with the wrong positions. ``bind_cp_group`` therefore
 gives each ``Attention`` module a copy of its collection whose ``cp`` is the microbatch's group,
-points the model's own ``cp_group`` (multi-token prediction) at it too, and in a ``finally``
+points the model's own ``cp_group`` (multi-token prediction) at it too, gives every MoE router
+(``TopKRouter``) the microbatch's ``cp_group`` and TP x CP ``tp_cp_group`` (which its token
+counts and load-balancing statistics reduce over; ``moe.py``), and in a ``finally``
 restores every module, including TE attention modules that re-bound themselves during the
 forward (Megatron #7045 added the same try/finally upstream).
 
@@ -41,19 +43,23 @@ def _te_state(module: nn.Module) -> tuple[Any, ...]:
 
 
 @contextlib.contextmanager
-def bind_cp_group(model: nn.Module | Sequence[nn.Module],
-                  cp_group: dist.ProcessGroup) -> Iterator[None]:
+def bind_cp_group(model: nn.Module | Sequence[nn.Module], cp_group: dist.ProcessGroup,
+                  tp_cp_group: dist.ProcessGroup | None = None) -> Iterator[None]:
     """Every layer of ``model`` (a chunk or a list of chunks) uses ``cp_group`` inside the block.
 
     Args:
         model: Megatron model chunk(s), wrapped (DDP) or not.
         cp_group: the microbatch's CP group (a group of one rank for a lone rank, never None:
             Megatron's RoPE reads its size and rank).
+        tp_cp_group: the microbatch's TP x CP group, for MoE routers (default: ``cp_group``,
+            right at tp 1).
     """
     chunks = [model] if isinstance(model, nn.Module) else list(model)
     saved_pgc: list[tuple[nn.Module, Any]] = []
     saved_te: list[tuple[nn.Module, tuple[Any, ...]]] = []
     saved_lm: list[tuple[nn.Module, Any]] = []
+    saved_router: list[tuple[nn.Module, tuple[Any, Any]]] = []
+    router_cls = mcore.moe_router.Router
     te_cls = _te_class()
     try:
         for chunk in chunks:
@@ -67,12 +73,18 @@ def bind_cp_group(model: nn.Module | Sequence[nn.Module],
                     bound = copy.copy(module.pg_collection)
                     bound.cp = cp_group
                     module.pg_collection = bound
+                elif isinstance(module, router_cls):
+                    saved_router.append((module, (module.cp_group, module.tp_cp_group)))
+                    module.cp_group = cp_group
+                    module.tp_cp_group = cp_group if tp_cp_group is None else tp_cp_group
                 elif te_cls is not None and isinstance(module, te_cls):
                     saved_te.append((module, _te_state(module)))
         yield
     finally:
         for module, pgc in saved_pgc:
             module.pg_collection = pgc
+        for module, (cp, tp_cp) in saved_router:
+            module.cp_group, module.tp_cp_group = cp, tp_cp
         for inner, group in saved_lm:
             setattr(inner, "cp_group", group)  # noqa: B010
         for module, (group, ranks, stream, comm_type) in saved_te:

@@ -43,6 +43,18 @@ class _HostStream:
     def synchronize(self) -> None:
         pass
 
+    def record_event(self, event: object = None) -> _HostStream:
+        del event
+        return self  # an event whose synchronize() and wait() return at once
+
+    def wait(self, stream: object = None) -> None:
+        del stream
+
+
+_HOST_STREAM = _HostStream()
+"""The one host "stream": every stream Megatron creates or asks for is this one, so its
+"am I on a side stream" checks (token_dispatcher.py) answer no."""
+
 
 class _CpuCuda:
     """``torch.cuda`` as CPU-only code needs it: a device name, a no-op synchronize and a
@@ -59,7 +71,17 @@ class _CpuCuda:
     @staticmethod
     def current_stream(device: object = None) -> _HostStream:
         del device
-        return _HostStream()
+        return _HOST_STREAM
+
+    @staticmethod
+    def Stream(*args: object, **kwargs: object) -> _HostStream:  # noqa: N802 - torch's name
+        del args, kwargs
+        return _HOST_STREAM
+
+    @staticmethod
+    def stream(stream: object) -> contextlib.AbstractContextManager[None]:
+        del stream
+        return contextlib.nullcontext()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cuda, name)
@@ -257,11 +279,21 @@ def ensure_memory_buffer() -> None:
         mcore.parallel_state._set_global_memory_buffer()
 
 
+def moe_on_cpu() -> None:
+    # transformer/moe/router.py moves the gate weight and its expert-bias and global-aux-loss
+    # buffers to torch.cuda.current_device(); token_dispatcher.py creates a CUDA stream for its
+    # device-to-host copies and waits on it; experts.py and moe_utils.py allocate on the current
+    # device; transformer/multi_token_prediction.py allocates its roll buffers and loss tracker
+    # there.
+    for module in mcore.moe_modules():
+        _redirect(module)
+
+
 def apply_cpu_patches() -> None:
     """Every CPU workaround (idempotent). Call before building the model."""
     for fn in (schedules_token_count_on_cpu, p2p_buffers_on_cpu, grad_buffers_on_cpu,
                optimizer_scalars_on_cpu, distributed_optimizer_accepts_cpu_params,
                gradient_clipping_accepts_cpu_grads, checkpoint_writer_on_cpu,
                sequence_parallel_buffers_on_cpu, rotary_on_cpu, rng_tracker_without_cuda,
-               memory_buffer_on_cpu):
+               memory_buffer_on_cpu, moe_on_cpu):
         once(fn.__name__, fn)

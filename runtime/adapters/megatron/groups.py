@@ -53,6 +53,12 @@ class MegatronGroups:
         group = self.catalog.cp_group(rank_start, cp_size)
         return self.self_group if group is None else group
 
+    def tp_cp_group(self, rank_start: int, cp_size: int) -> dist.ProcessGroup:
+        """The TP x CP group of block (rank_start, cp_size): the CP group at tp 1, the TP group
+        at cp_size 1; ``self_group`` when both are 1."""
+        group = self.catalog.tp_cp_group(rank_start, cp_size)
+        return self.self_group if group is None else group
+
     @property
     def pool_group(self) -> dist.ProcessGroup:
         """All pool ranks of this rank's tp/pp slice (``self_group`` for a pool of one)."""

@@ -43,11 +43,14 @@ What each piece does:
   per chunk under vpp) and their count, which varies by step.
 - ``step_loss(reports)``, ``grads_finite(...)``, ``save`` / ``load`` (Megatron's
   ``dist_checkpointing``, atomic and verified: ``checkpoint.py``).
+- A MoE model (``num_moe_experts``): ``transformer_config`` refuses what the adapter cannot run
+  under dynamic CP (``moe_step.check_config``); ``data_iterator(step, model)`` opens the step's
+  routing statistics (and runs ``global_aux_loss``'s statistics pass); ``step_loss`` reports the
+  load-balancing term and tokens per expert (``moe.py`` has the definitions).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -57,12 +60,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.adapters.megatron import ddp, mcore, patches
+from runtime.adapters.megatron import ddp, forward, mcore, patches
 from runtime.adapters.megatron.batch import Batch, PlanBatches
-from runtime.adapters.megatron.binding import bind_cp_group
 from runtime.adapters.megatron.groups import MegatronGroups, create_groups
-from runtime.adapters.megatron.loss import loss_func
 from runtime.adapters.megatron.model import ModelParallel, check_split, layer_spec, plan_fields
+from runtime.adapters.megatron.moe_step import RouterSteps, check_config
 from runtime.data.plan_reader import PlanReader
 from runtime.data.plan_source import check_plan_source, open_plan_source
 from runtime.data.tokens import TokenSource
@@ -78,10 +80,16 @@ _SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_
 
 @dataclass(frozen=True, slots=True)
 class StepLoss:
-    """A step's loss: the per-token mean over the pool and the loss tokens it averaged."""
+    """A step's loss: the per-token mean over the pool and the loss tokens it averaged; for a
+    MoE model also the load-balancing term and each layer's tokens per expert."""
 
     loss: float
     loss_tokens: int
+    moe_aux_loss: float | None = None
+    """The step's load-balancing term (already weighted by its coefficient: what the gradient
+    adds to the LM loss's); None without a MoE load-balancing loss."""
+    moe_tokens_per_expert: list[list[int]] | None = None
+    """Per MoE layer (global layer order), the step's real tokens routed to each expert."""
 
 
 class PlanJob:
@@ -151,9 +159,11 @@ class PlanJob:
             self._batches: PlanBatches | None = None
             if self.device.type == "cuda":
                 mcore.tp_random.model_parallel_cuda_manual_seed(
-                    seed, tp_rank=topology.tp_rank, ep_rank=0, etp_rank=0)
+                    seed, tp_rank=topology.tp_rank, ep_rank=0, etp_rank=topology.tp_rank)
             self.p2p: patches.TaggedP2PCommunicator | None = None
             self.options = MegatronOptions()
+            self.routers: RouterSteps | None = None
+            """A MoE model's per-step routing bookkeeping (set by ``transformer_config``)."""
         except BaseException:
             self.close()
             raise
@@ -200,8 +210,13 @@ class PlanJob:
                     num_query_groups=fields.get("num_query_groups")
                     or fields.get("num_attention_heads"), num_layers=fields.get("num_layers"))
         config = mcore.TransformerConfig(**{**fields, **fixed})
+        check_config(config, tp=self.parallel.tp,
+                     sequence_parallel=self.parallel.sequence_parallel)
         config.finalize_model_grads_func = mcore.finalize_model_grads
         self.config = config
+        self.routers = None
+        if config.num_moe_experts:
+            self.routers = RouterSteps(self, config)
         return config
 
     def layer_spec(self, config: mcore.TransformerConfig, vp_stage: int | None = None) -> object:
@@ -284,8 +299,14 @@ class PlanJob:
 
     def data_iterator(self, step: int, model: Sequence[nn.Module] | None = None
                       ) -> Iterator[Batch] | list[Iterator[Batch]]:
-        """``step``'s batches: an iterator, or one per chunk with virtual stages."""
-        del model  # the chunk count is the one get_model built
+        """``step``'s batches: an iterator, or one per chunk with virtual stages.
+
+        For a MoE model this opens the step's routing statistics; with ``global_aux_loss`` it
+        first runs the step's forward-only statistics pass over ``model`` (every microbatch's
+        routing before any backward: ``moe.py``), so pass the model then (collective).
+        """
+        if self.routers is not None:
+            self.routers.begin(step, model)
         return self.batches.data_iterator(step)
 
     @property
@@ -296,27 +317,11 @@ class PlanJob:
             kwargs["p2p_communicator"] = self.p2p
         return kwargs
 
-    def forward_step(self, data_iterator: Iterator[Batch], model: nn.Module
-                     ) -> tuple[Any, Any]:
-        """Megatron's ``forward_step_func``: one microbatch through one chunk."""
-        batch: Batch = next(data_iterator)
-        psp = batch["packed_seq_params"]
-        with bind_cp_group(model, psp.cp_group), \
-                patches.sequence_parallel_group(self.pg_collection.tp), self._autocast():
-            output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
-                           packed_seq_params=psp, runtime_gather_output=True,
-                           padding_mask=batch["padding_mask"])
-        if batch["labels"] is None:  # not the last stage: the schedule sends output on
-            return output, None
-        return output, functools.partial(loss_func, batch["labels"], batch["loss_mask"])
-
-    def _autocast(self) -> Any:
-        import contextlib
-
-        dtype = self.parallel.dtype
-        if dtype == torch.float32 or (self.config is not None and self.config.bf16):
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=dtype)  # PoolGradSync's bf16
+    def forward_step(self, data_iterator: Iterator[Batch], model: nn.Module, *,
+                     counting: bool = False) -> tuple[Any, Any]:
+        """Megatron's ``forward_step_func``: one microbatch through one chunk (``forward.py``;
+        ``counting``: ``global_aux_loss``'s statistics pass, forward only, no loss)."""
+        return forward.forward_step(self, next(data_iterator), model, counting=counting)
 
     def step_loss(self, reports: list[dict[str, torch.Tensor]]) -> StepLoss:
         """The step's per-token loss on every rank: the last stage's reports summed over the
@@ -332,7 +337,10 @@ class PlanJob:
             src = dist.get_global_rank(pp_group, pp_group.size() - 1)
             dist.broadcast(total, src=src, group=pp_group)
         loss_sum, count = total.tolist()
-        return StepLoss(loss=loss_sum / max(count, 1.0), loss_tokens=int(count))
+        aux, tokens_per_expert = (self.routers.report(count) if self.routers is not None
+                                  else (None, None))
+        return StepLoss(loss=loss_sum / max(count, 1.0), loss_tokens=int(count),
+                        moe_aux_loss=aux, moe_tokens_per_expert=tokens_per_expert)
 
     def grads_finite(self, step: int, loss: StepLoss, model: list[nn.Module], *,
                      skip: bool = False) -> bool:

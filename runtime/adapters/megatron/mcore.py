@@ -69,15 +69,25 @@ with warnings.catch_warnings():
     from megatron.core.tensor_parallel import layers as tp_layers
     from megatron.core.tensor_parallel import mappings as tp_mappings
     from megatron.core.tensor_parallel import random as tp_random
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import TransformerConfig, multi_token_prediction
     from megatron.core.transformer import utils as transformer_utils
     from megatron.core.transformer.attention import Attention
     from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.moe import experts as moe_experts
+    from megatron.core.transformer.moe import moe_layer, moe_utils
+    from megatron.core.transformer.moe import router as moe_router
+    from megatron.core.transformer.moe import token_dispatcher as moe_token_dispatcher
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
         get_num_layers_to_build,
     )
 
+
+
+def moe_modules() -> tuple[Any, ...]:
+    """The modules of Megatron's MoE layers and multi-token prediction (for the CPU patches)."""
+    return (moe_router, moe_token_dispatcher, moe_utils, moe_experts, moe_layer,
+            multi_token_prediction)
 
 
 def process_group_collection(groups: dict[str, object]) -> ProcessGroupCollection:
@@ -106,8 +116,9 @@ def get_megatron_optimizer(config: OptimizerConfig, chunks: list[Any],
                                    use_gloo_process_groups=False)
 
 
-def te_layer_spec() -> object:
-    """Megatron's Transformer Engine layer spec (GPU only: importing TE needs CUDA)."""
+def te_layer_spec(num_experts: int | None = None) -> object:
+    """Megatron's Transformer Engine layer spec (GPU only: importing TE needs CUDA); MoE layers
+    of ``num_experts`` experts (Megatron's SequentialMLP of TE linears) when given."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.core.extensions.transformer_engine import TEDotProductAttention
@@ -116,7 +127,8 @@ def te_layer_spec() -> object:
         )
 
     del TEDotProductAttention  # imported to fail here, not inside the model build
-    return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts,
+                                                      moe_grouped_gemm=False)
 
 
 def te_attention_class() -> type:
@@ -154,6 +166,13 @@ __all__ = [
     "get_gpt_layer_local_spec",
     "get_megatron_optimizer",
     "get_num_layers_to_build",
+    "moe_experts",
+    "moe_layer",
+    "moe_modules",
+    "moe_router",
+    "moe_token_dispatcher",
+    "moe_utils",
+    "multi_token_prediction",
     "gpt_model_module",
     "optimizer_clip_grads",
     "optimizer_module",

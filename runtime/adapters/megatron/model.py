@@ -36,6 +36,7 @@ from runtime.adapters.megatron.attention import (
     SequenceCoreAttention,
     SequenceParallelRMSNorm,
 )
+from runtime.train.megatron_options import MegatronOptions
 from runtime.train.model import GPTConfig
 
 
@@ -73,6 +74,23 @@ def shape_fields(model: GPTConfig) -> dict[str, Any]:
         use_cpu_initialization=True, perform_initialization=False)
 
 
+def moe_fields(options: MegatronOptions, model: GPTConfig) -> dict[str, Any]:
+    """``TransformerConfig`` fields of the MoE and MTP flags (none for a dense model): dropless
+    top-k routing through the alltoall dispatcher, experts as Megatron's SequentialMLP."""
+    fields: dict[str, Any] = {}
+    if options.moe:
+        fields.update(
+            num_moe_experts=options.num_experts, moe_router_topk=options.moe_router_topk,
+            moe_ffn_hidden_size=options.moe_ffn_hidden_size or model.ffn_size,
+            moe_aux_loss_coeff=options.moe_aux_loss_coeff,
+            moe_router_load_balancing_type=options.moe_router_load_balancing_type,
+            moe_grouped_gemm=False)
+    if options.mtp_num_layers:
+        fields.update(mtp_num_layers=options.mtp_num_layers,
+                      mtp_loss_scaling_factor=options.mtp_loss_scaling_factor)
+    return fields
+
+
 def plan_fields(par: ModelParallel) -> dict[str, Any]:
     """The ``TransformerConfig`` fields a plan fixes: its split, the per-token loss, variable
     THD lengths, no static CP, and the mixed precision of ``par.dtype`` (Megatron's bf16: bf16
@@ -97,11 +115,16 @@ def plan_fields(par: ModelParallel) -> dict[str, Any]:
     )
 
 
-def transformer_config(model: GPTConfig, par: ModelParallel) -> mcore.TransformerConfig:
-    """Megatron's ``TransformerConfig`` for ``model`` split as ``par``."""
+def transformer_config(model: GPTConfig, par: ModelParallel,
+                       options: MegatronOptions | None = None, **overrides: Any
+                       ) -> mcore.TransformerConfig:
+    """Megatron's ``TransformerConfig`` for ``model`` (and the MoE / MTP ``options``) split as
+    ``par``; ``overrides`` replace fields (the oracle's own load balancing)."""
     check_split(par, vocab_size=model.vocab_size, num_query_groups=model.num_query_groups,
                 num_layers=model.num_layers)
-    return mcore.TransformerConfig(**shape_fields(model), **plan_fields(par))
+    moe = moe_fields(options or MegatronOptions(), model)
+    return mcore.TransformerConfig(**{**shape_fields(model), **moe, **plan_fields(par),
+                                      **overrides})
 
 
 def check_split(par: ModelParallel, *, vocab_size: int | None = None,
@@ -121,9 +144,10 @@ def layer_spec(config: mcore.TransformerConfig, *, attention: str, vp_stage: int
                pp_rank: int) -> object:
     """The block spec of one model chunk: ``plan`` (packed, ours), ``sequence`` (oracle) or
     ``te`` (Megatron's Transformer Engine spec, GPU)."""
+    experts = config.num_moe_experts
     if attention == "te":
-        return mcore.te_layer_spec()
-    spec = mcore.get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False,
+        return mcore.te_layer_spec(experts)
+    spec = mcore.get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
                                           normalization="RMSNorm")
     core = {"plan": PlanCoreAttention, "sequence": SequenceCoreAttention}[attention]
     spec.submodules.self_attention.submodules.core_attention = core
@@ -257,7 +281,7 @@ def init_weights(chunks: list[nn.Module], model: GPTConfig, *, seed: int, tp: in
                 shape[dim] *= tp
             full = _full(names[name], tuple(shape), model, seed)
             if partitioned and tp > 1:
-                if name.endswith("mlp.linear_fc1.weight"):  # [gate; up]: a slice of each half
+                if name.endswith("linear_fc1.weight"):  # [gate; up]: a slice of each half
                     full = torch.cat([h.chunk(tp, dim=0)[tp_rank] for h in full.chunk(2, dim=0)])
                 else:
                     full = full.chunk(tp, dim=dim)[tp_rank]

@@ -23,6 +23,7 @@ from runtime.adapters.megatron.model import (
     init_weights,
     transformer_config,
 )
+from runtime.adapters.megatron.oracle_terms import MoETerms
 from runtime.data.evaluation import check_eval_layout
 from runtime.data.plan_reader import PlanReader
 from runtime.data.plan_source import open_plan_source
@@ -49,6 +50,9 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
     if cfg.save or cfg.resume:
         raise ValueError("--reference --framework megatron saves no checkpoint: drop --save "
                          "and --resume")
+    if cfg.megatron.mtp_num_layers:
+        raise ValueError("--mtp-num-layers: multi-token prediction is not supported by the "
+                         "adapter yet; drop it")
     device = resolve_device(cfg)
     patches.apply_patches(device)
     reader = PlanReader(cfg.plan)
@@ -56,7 +60,9 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
     try:
         header = reader.header
         par = ModelParallel(dtype=DTYPES[cfg.dtype])
-        config = transformer_config(model_config, par)
+        # Megatron's own load-balancing loss is off: MoETerms computes the adapter's definition.
+        config = transformer_config(model_config, par, cfg.megatron,
+                                    **({"moe_aux_loss_coeff": 0.0} if cfg.megatron.moe else {}))
         groups = create_groups(Topology(world_size=1, rank=0, dp=1, cp=1), (1,),
                                timeout=pg_timeout(cfg.distributed_timeout_minutes))
         chunks = build_chunks(model_config, config, groups.pg_collection, attention="sequence",
@@ -77,11 +83,13 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
         try:
             steps = step_range(cfg, 0, reader.num_steps)
             logits_of = _logits(model, cfg, device)
+            terms = (MoETerms(model, cfg.megatron, reader, logits_of) if cfg.megatron.moe
+                     else None)
             vocab = model_config.vocab_size
             for step in steps:
                 result.logs.append(reference_step(model, optimizer, reader, source, step, vocab,
                                                   cfg, device, logits_of,
-                                                  clip_grad=cfg.megatron.clip_grad))
+                                                  clip_grad=cfg.megatron.clip_grad, terms=terms))
                 logger.write(result.logs[-1])
                 if keep_state and step == steps[0]:  # the first step's gradients (tests)
                     names = global_names(model)

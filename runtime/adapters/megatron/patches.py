@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runtime.adapters.megatron import mcore
+from runtime.adapters.megatron import mcore, moe
 from runtime.adapters.megatron.cpu_patches import (
     apply_cpu_patches,
     ensure_memory_buffer,
@@ -262,11 +262,28 @@ def checkpoint_bytes_weights_only() -> Iterator[None]:
         module.torch = saved
 
 
+_TE_FUSED_NAMES = ("fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+                   "fused_permute_with_probs", "fused_sort_chunks_by_index",
+                   "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function",
+                   "fused_unpermute", "te_general_gemm")
+
+
+def moe_utils_names_without_te() -> None:
+    # transformer/moe/moe_utils.py (0.16.1) imports TE's fused MoE kernels in a try block and,
+    # without TE, leaves the names undefined, so the router's gate (router_gating_linear reads
+    # te_general_gemm) fails with NameError; 0.19 sets them to None. Here too, where missing.
+    module = mcore.moe_utils
+    for name in _TE_FUSED_NAMES:
+        if not hasattr(module, name):
+            setattr(module, name, None)
+
+
 def apply_common_patches() -> None:
     """The device-independent workarounds (idempotent). Call after ``apply_cpu_patches``."""
     for fn in (padding_mask_scatter_uses_model_group, pipeline_messages_tagged,
                quiet_upstream_warnings, sharded_state_uses_model_groups,
-               distributed_optimizer_restores_torch_adam_steps):
+               distributed_optimizer_restores_torch_adam_steps, moe_utils_names_without_te,
+               moe.install):
         once(fn.__name__, fn)
 
 

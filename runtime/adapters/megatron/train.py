@@ -45,6 +45,7 @@ from runtime.adapters.megatron.model import (
     global_names,
     gpt_chunk,
     init_weights,
+    moe_fields,
     shape_fields,
     unwrap,
 )
@@ -106,7 +107,8 @@ class MegatronTrainer:
             job.parallel = replace(job.parallel, megatron_precision=False)
         self.par = job.parallel
         self.model_config = model_config
-        self.config = job.transformer_config(**shape_fields(model_config))
+        self.config = job.transformer_config(**shape_fields(model_config),
+                                             **moe_fields(options, model_config))
         header = self.reader.header
         max_len = header.capacity_tokens_per_rank * header.parallel.pool_size
 
@@ -135,6 +137,8 @@ class MegatronTrainer:
         self.rank = dist.get_rank()
         self.start_step = 0
         self.meta = checkpoint_meta(model_config, self.reader)
+        if options.model_meta():  # MoE / MTP: part of the model's shape
+            self.meta["model"] = {**self.meta["model"], **options.model_meta()}
         self.has_steps = True
         if cfg.resume:
             self.start_step = job.load(cfg.resume, self.chunks, self.optimizer,
@@ -157,11 +161,18 @@ class MegatronTrainer:
     @property
     def summary_fields(self) -> dict[str, Any]:
         """What ran, for the run summary (``--json`` / ``--summary-json``)."""
-        return {"framework": "megatron", "megatron_core": mcore.VERSION,
-                "grad_sync": self.options.grad_sync, "optimizer": self.optimizer_name,
-                "overlap_grad_reduce": self.options.overlap_grad_reduce,
-                "overlap_param_gather": self.options.overlap_param_gather,
-                "dtype": self.cfg.dtype}
+        fields = {"framework": "megatron", "megatron_core": mcore.VERSION,
+                  "grad_sync": self.options.grad_sync, "optimizer": self.optimizer_name,
+                  "overlap_grad_reduce": self.options.overlap_grad_reduce,
+                  "overlap_param_gather": self.options.overlap_param_gather,
+                  "dtype": self.cfg.dtype}
+        if self.options.moe:
+            fields.update(num_experts=self.options.num_experts,
+                          moe_router_topk=self.options.moe_router_topk,
+                          moe_load_balancing=self.options.load_balancing)
+        if self.options.mtp_num_layers:
+            fields["mtp_num_layers"] = self.options.mtp_num_layers
+        return fields
 
     def forward_step(self, data_iterator: Any, model: nn.Module) -> tuple[Any, Any]:
         """Megatron's ``forward_step_func`` (``PlanJob.forward_step``)."""
@@ -175,7 +186,8 @@ class MegatronTrainer:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
         num_microbatches = self.job.num_microbatches(step)
-        reports = self.run_schedule(self.job.data_iterator(step), num_microbatches, False)
+        reports = self.run_schedule(self.job.data_iterator(step, self.chunks), num_microbatches,
+                                    False)
         loss = self.job.step_loss(reports)
         # Ranks hold different shards (TP, PP, the distributed optimizer): all agree.
         skipped = not self.job.grads_finite(step, loss, self.chunks,
@@ -193,7 +205,9 @@ class MegatronTrainer:
         return StepLog(step=step, loss=loss.loss, tokens=tokens, loss_tokens=loss.loss_tokens,
                        microbatches=num_microbatches, seconds=time.perf_counter() - t0,
                        skipped=skipped,
-                       grad_norm=None if grad_norm is None else float(grad_norm))
+                       grad_norm=None if grad_norm is None else float(grad_norm),
+                       moe_aux_loss=loss.moe_aux_loss,
+                       moe_tokens_per_expert=loss.moe_tokens_per_expert)
 
     def run_schedule(self, data_iterator: Any, num_microbatches: int, forward_only: bool
                      ) -> list[dict[str, torch.Tensor]]:

@@ -8,6 +8,7 @@ the adapter's slicing) before they are compared with the oracle's full tensors.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,13 @@ from planner.planfile.io import write_plan
 from planner.sources.lengths import read_lengths
 from runtime.train import TrainConfig, TrainResult
 from runtime.train.model import GPTConfig
+
+# megatron-core quietly (mcore silences its import warnings), before any result unpickles:
+# 0.19.2's ranks pickle tensors through megatron.core.safe_globals, whose first import in the
+# test process would otherwise turn torch's deprecation warnings into errors. Without
+# megatron-core the tests that need it skip or fail on their own.
+with contextlib.suppress(ImportError):
+    from runtime.adapters.megatron import mcore  # noqa: F401
 
 MODEL = GPTConfig(vocab_size=64, num_layers=2, hidden_size=32, num_heads=4, num_query_groups=2)
 STEPS = 3
@@ -121,9 +129,9 @@ def unshard(ranks: list[dict[str, Any]], key: str = "state") -> dict[str, torch.
     out = {}
     for name, parts in by_name.items():
         shards = [parts[i] for i in sorted(parts)]
-        if tp == 1 or name.endswith("norm.weight"):
+        if tp == 1 or name.endswith(("norm.weight", "router.weight")):  # replicated over TP
             out[name] = shards[0]
-        elif name.endswith("mlp.linear_fc1.weight"):  # [gate_r; up_r] per rank
+        elif name.endswith("linear_fc1.weight"):  # [gate_r; up_r] per rank (dense and experts)
             gates = [s.chunk(2)[0] for s in shards]
             ups = [s.chunk(2)[1] for s in shards]
             out[name] = torch.cat(gates + ups)
@@ -215,3 +223,31 @@ def train_rank_megatron_groups(rank: int, world_size: int, store: str, config: T
             trainer.close()
     finally:
         parallel_state.destroy_model_parallel()
+
+
+def train_ranks(rank: int, world_size: int, store: str, configs: list[TrainConfig],
+                model: GPTConfig) -> list[dict[str, Any]]:
+    """``train_rank`` for several configs in one launch (one process start-up for all)."""
+    return [train_rank(rank, world_size, store, c, model) for c in configs]
+
+
+def oracle_ranks(rank: int, world_size: int, store: str, configs: list[TrainConfig],
+                 model: GPTConfig) -> list[TrainResult]:
+    """``oracle_rank`` for several configs in one process."""
+    return [oracle_rank(rank, world_size, store, c, model) for c in configs]
+
+
+def check_run(ranks: list[dict[str, Any]], ref: TrainResult) -> None:
+    """A distributed run equals its oracle: losses, gradient norms, MoE terms and tokens per
+    expert every step, reduced gradients at step 0, final parameters (fp32, relative 1e-5)."""
+    assert_same_losses(ranks[0]["logs"], ref.logs)
+    for g, w in zip(ranks[0]["logs"], ref.logs, strict=True):
+        assert g.moe_tokens_per_expert == w.moe_tokens_per_expert, g.step
+        assert (g.moe_aux_loss is None) == (w.moe_aux_loss is None), g.step
+        if w.moe_aux_loss is not None:
+            assert abs(g.moe_aux_loss - w.moe_aux_loss) <= TOL * abs(w.moe_aux_loss), (g, w)
+        assert (g.mtp_loss is None) == (w.mtp_loss is None), g.step
+        for a, b in zip(g.mtp_loss or [], w.mtp_loss or [], strict=True):
+            assert abs(a - b) <= TOL * abs(b), (g.step, g.mtp_loss, w.mtp_loss)
+    assert_same_grads(unshard(ranks, "grads"), ref.grads)
+    assert_same_params(unshard(ranks), ref.state)

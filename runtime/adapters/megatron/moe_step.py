@@ -1,0 +1,185 @@
+"""A MoE model's per-step routing bookkeeping for ``PlanJob``, and what it refuses.
+
+``RouterSteps`` is the part of ``PlanJob`` that only a MoE model has (``moe.py`` is the
+mechanism inside Megatron's router):
+
+- ``begin(step, model)`` (from ``PlanJob.data_iterator``): a fresh ``StepRouting`` for the step;
+  with ``global_aux_loss``, first the step's forward-only statistics pass through Megatron's
+  schedule (``forward_step(counting=True)``: routing only, no loss), whose per-layer top-k
+  counts are summed over every rank (one all-reduce of [layers, E]);
+- ``bind(batch)`` (from ``PlanJob.forward_step``): the microbatch's rows and TP x CP group for
+  the replaced load-balancing methods, for the forward;
+- ``report(loss_tokens)`` (from ``PlanJob.step_loss``): one all-reduce of the step's tokens per
+  expert and attached terms, the load-balancing term divided by the step's loss tokens, and
+  the check that the training forward routed as the statistics pass did.
+
+``check_config`` refuses, at ``PlanJob.transformer_config`` (so on every rank, before the model
+exists), every MoE feature the adapter does not run under dynamic CP, saying what to use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from runtime.adapters.megatron import mcore, moe
+from runtime.train.megatron_options import LOAD_BALANCING_TYPES
+
+if TYPE_CHECKING:
+    from runtime.adapters.megatron.batch import Batch
+    from runtime.adapters.megatron.job import PlanJob
+
+
+def load_balancing_types(config: Any) -> list[str]:
+    """The configured load-balancing types (Megatron takes a name or a list of names)."""
+    kind = config.moe_router_load_balancing_type
+    return list(kind) if isinstance(kind, (list, tuple)) else [kind]
+
+
+def check_config(config: Any, *, tp: int, sequence_parallel: bool) -> None:
+    """Refuse a MoE ``TransformerConfig`` the adapter cannot run under dynamic CP (the same
+    ValueError on every rank, at start-up), saying what to use instead."""
+    if config.mtp_num_layers:
+        raise ValueError(f"mtp_num_layers={config.mtp_num_layers!r}: multi-token prediction is "
+                         "not supported by the adapter yet: set None")
+    if not config.num_moe_experts:
+        return
+    refusals = {
+        "expert_model_parallel_size": (
+            (config.expert_model_parallel_size or 1) > 1,
+            "expert parallelism is not supported yet: set 1 (every rank holds all experts)"),
+        "expert_tensor_parallel_size": (
+            config.expert_tensor_parallel_size not in (None, tp),
+            f"experts are split over the plan's tp ({tp}): leave it None"),
+        "moe_expert_capacity_factor": (
+            config.moe_expert_capacity_factor is not None,
+            "routing is dropless: with a capacity, whether a token reaches its experts depends "
+            "on the other tokens of its microbatch, so on the packing; set None"),
+        "moe_pad_expert_input_to_capacity": (
+            bool(config.moe_pad_expert_input_to_capacity), "routing is dropless: set False"),
+        "moe_z_loss_coeff": (
+            bool(config.moe_z_loss_coeff), "the router z-loss is not handled under dynamic CP "
+            "yet: set None and balance with moe_aux_loss_coeff"),
+        "moe_router_enable_expert_bias": (
+            bool(config.moe_router_enable_expert_bias), "the expert-bias update is not handled "
+            "under dynamic CP yet: use moe_router_load_balancing_type='global_aux_loss'"),
+        "moe_token_dispatcher_type": (
+            config.moe_token_dispatcher_type != "alltoall",
+            "the adapter runs Megatron's alltoall dispatcher: set 'alltoall'"),
+        "moe_input_jitter_eps": (
+            bool(config.moe_input_jitter_eps), "random jitter per token makes the run depend "
+            "on the packing: set None"),
+        "moe_router_force_load_balancing": (
+            bool(getattr(config, "moe_router_force_load_balancing", False)),
+            "random routing (a benchmark mode): set False"),
+        "moe_router_load_balancing_type": (
+            any(t not in LOAD_BALANCING_TYPES for t in load_balancing_types(config)),
+            f"use one of {', '.join(LOAD_BALANCING_TYPES)} (sinkhorn and others are not "
+            "handled under dynamic CP)"),
+        "sequence_parallel": (
+            tp > 1 and not sequence_parallel, "MoE with tp > 1 needs sequence parallelism "
+            "(Megatron refuses it in training): plan with dcp-plan --sequence-parallel"),
+    }
+    bad = [f"{name}={getattr(config, name)!r}: {why}" for name, (refused, why) in refusals.items()
+           if refused]
+    if bad:
+        raise ValueError("MoE model the adapter cannot run under dynamic CP: " + "; ".join(bad))
+
+
+class RouterSteps:
+    """The routing statistics of each step of ``job`` (a MoE model; see the module
+    docstring)."""
+
+    def __init__(self, job: PlanJob, config: Any) -> None:
+        self.job, self.config = job, config
+        kinds = load_balancing_types(config)
+        coeffs = config.moe_aux_loss_coeff
+        coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs] * len(kinds)
+        self.active = [k for k, c in zip(kinds, coeffs, strict=True) if k != "none" and c > 0]
+        self.routing: moe.StepRouting | None = None
+
+    def _new(self, step_tokens: int) -> moe.StepRouting:
+        return moe.StepRouting(num_layers=self.config.num_layers,
+                               num_experts=self.config.num_moe_experts,
+                               step_tokens=step_tokens, device=self.job.device)
+
+    def begin(self, step: int, model: Sequence[nn.Module] | None) -> None:
+        """Open ``step``'s statistics (and run ``global_aux_loss``'s pass over ``model``)."""
+        job = self.job
+        self.routing = self._new(job.batches.step_tokens(step))
+        if "global_aux_loss" not in self.active:
+            return
+        if model is None:
+            raise ValueError("global_aux_loss: pass the model to data_iterator(step, model) "
+                             "(the step's routing statistics need a forward pass)")
+        chunks = list(model)
+        schedule = mcore.get_forward_backward_func(pp_size=job.pp, vp_size=job.vp_size)
+        with torch.no_grad():
+            schedule(forward_step_func=_counting(job), data_iterator=job.batches.data_iterator(
+                         step), model=chunks if len(chunks) > 1 else chunks[0],
+                     num_microbatches=job.num_microbatches(step), seq_length=job.seq_length,
+                     micro_batch_size=1, forward_only=True, **job.schedule_kwargs)
+        counts = self.routing.counted.clone()
+        dist.all_reduce(counts)  # each layer's tokens are counted on its stage only, once each
+        self.routing.global_counts = counts
+        self.routing.counted.zero_()
+
+    @contextlib.contextmanager
+    def bind(self, batch: Batch, *, counting: bool = False) -> Iterator[None]:
+        """The microbatch's rows, TP x CP group and the step's statistics for the replaced
+        load-balancing methods inside the block (the routers' own groups are bound by
+        ``binding.bind_cp_group``)."""
+        job, seg = self.job, batch["segments"]
+        seq_index = seg.seq_index
+        if job.parallel.sequence_parallel and job.parallel.tp > 1:  # the router's SP slice
+            seq_index = seq_index.chunk(job.parallel.tp)[job.topology.tp_rank]
+        if self.routing is None:  # another iterator's batches (an evaluation before a step)
+            self.routing = self._new(0)
+        context = moe.RouterContext(
+            tp_cp_group=self.tp_cp_group(batch), seq_index=seq_index,
+            seq_tokens=seg.seq_tokens, group_tokens=seg.group_tokens, step=self.routing,
+            counting=counting)
+        with moe.bind(context):
+            yield
+
+    def tp_cp_group(self, batch: Batch) -> dist.ProcessGroup:
+        """The TP x CP group of ``batch``'s CP group (the CP group at tp 1)."""
+        seg = batch["segments"]
+        return self.job.groups.tp_cp_group(seg.rank_start, seg.cp_size)
+
+    def report(self, loss_tokens: float) -> tuple[float | None, list[list[int]] | None]:
+        """The step's load-balancing term and tokens per expert over every rank (collective;
+        once per training step: a later call, an evaluation's, reports nothing)."""
+        routing, self.routing = self.routing, None
+        if routing is None:
+            return None, None
+        vec = torch.cat([routing.tokens_per_expert.reshape(-1), routing.aux.reshape(1),
+                         routing.counted.reshape(-1)])
+        dist.all_reduce(vec)  # every layer's tokens are on one stage, each on one rank
+        size = routing.tokens_per_expert.numel()
+        tokens_per_expert = vec[:size].reshape(routing.tokens_per_expert.shape)
+        if routing.global_counts is not None:
+            counted = vec[size + 1:].reshape(routing.counted.shape)
+            if not torch.equal(counted, routing.global_counts):
+                raise ValueError("global_aux_loss: the training forward routed otherwise than "
+                                 "the statistics pass (non-deterministic kernels?): "
+                                 f"{int((counted - routing.global_counts).abs().sum())} "
+                                 "choices differ")
+        aux = float(vec[size]) / max(loss_tokens, 1.0) if self.active else None
+        return aux, [[int(x) for x in row] for row in tokens_per_expert.tolist()]
+
+
+def _counting(job: PlanJob) -> Any:
+    def forward_step(data_iterator: Any, model: nn.Module) -> tuple[Any, Any]:
+        return job.forward_step(data_iterator, model, counting=True)
+    return forward_step
+
+
+def no_loss(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """The statistics pass's loss function: nothing to learn, nothing to report."""
+    return output.sum() * 0, torch.zeros((), dtype=torch.int, device=output.device), {}
