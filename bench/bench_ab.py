@@ -28,15 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def _export(rev: str, into: Path) -> None:
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "planner"],
-                             capture_output=True, check=False)
-    if archive.returncode != 0:
-        raise SystemExit(f"bench_ab: git archive {rev}: {archive.stderr.decode().strip()}")
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+from bench.revision import base_variant, check_base, export_planner, this_variant  # noqa: E402
 
 
 def _run(cmd: list[str], env: dict[str, str], cwd: Path) -> tuple[float, float]:
@@ -64,14 +59,9 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        (work / "base").mkdir()
-        _export(args.base, work / "base")
-        py = sys.executable
-        variants = {
-            "base": ([py, "-c", "import sys; from planner.cli import main; sys.exit(main())"],
-                     {**os.environ, "PYTHONPATH": str(work / "base")}),
-            "this": ([str(Path(py).with_name("dcp-plan"))], dict(os.environ)),
-        }
+        export_planner(args.base, work / "base", "bench_ab")
+        check_base(work / "base", "bench_ab")
+        variants = {"base": base_variant(work / "base"), "this": this_variant()}
         runs = [(int(n), e) for n, e in (r.split(":") for r in args.runs.split(","))]
 
         def plan(name: str, pool: int, effort: str) -> tuple[float, float]:
