@@ -44,15 +44,19 @@ STAGES = [
     ("setup (read, permutation)", [("planner.sources.lengths", "read_lengths"),
                                    ("planner.plan", "PlanStream.__init__")]),
 ]
+# Calls counted, not timed: kernel passes (StepProblem.run, one place() each) and steps.
+COUNTS = [("passes", "planner.solver.step", "StepProblem.run"),
+          ("steps", "planner.solver.greedy", "solve_step")]
 
 CHILD = r"""
 import importlib, json, sys, time
 from collections import defaultdict
-stages, args = json.loads(sys.argv[1]), sys.argv[2:]
+stages, counts, args = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3:]
 from planner.cli import main
 main(args)  # untimed: imports, numba's loading
 spent = defaultdict(float)
-def wrap(mod_name, attr, label):
+calls = defaultdict(int)
+def wrap(mod_name, attr, label, counted=False):
     mod = importlib.import_module(mod_name)
     owner, name = mod, attr
     if "." in attr:
@@ -62,6 +66,9 @@ def wrap(mod_name, attr, label):
     if f is None:
         return
     def timed(*a, **k):
+        if counted:
+            calls[label] += 1
+            return f(*a, **k)
         t0 = time.process_time()
         try:
             return f(*a, **k)
@@ -71,9 +78,13 @@ def wrap(mod_name, attr, label):
 for label, funcs in stages:
     for m, a in funcs:
         wrap(m, a, label)
+for label, m, a in counts:
+    wrap(m, a, label, counted=True)
 t0 = time.process_time()
 main(args)
 spent["in-process CPU s"] = time.process_time() - t0
+if calls["steps"]:
+    spent["kernel passes a step"] = calls["passes"] / calls["steps"]
 print(json.dumps(spent))
 """
 
@@ -106,6 +117,7 @@ def main() -> None:
                              "16384", "--global-batch-size", str(16 * pool),
                              "--long-sequences", "split", "--effort", effort, "--quiet"]
                     out = subprocess.run([sys.executable, "-P", "-c", CHILD, json.dumps(STAGES),
+                                          json.dumps(COUNTS),
                                           *flags], env=env, cwd=work, capture_output=True,
                                          text=True, check=False)
                     if out.returncode != 0:
@@ -114,7 +126,8 @@ def main() -> None:
                     for k, v in got.items():
                         best[name][k] = min(best[name].get(k, float("inf")), v)
             print(f"\nN = {pool}, {effort} (CPU s" + (", base -> this)" if args.base else ")"))
-            for label in ["in-process CPU s"] + [lab for lab, _ in STAGES]:
+            for label in (["in-process CPU s"] + [lab for lab, _ in STAGES]
+                          + ["kernel passes a step"]):
                 vals = [best[name].get(label, 0.0) for name in envs]
                 print(f"  {label:28s} " + " -> ".join(f"{v:6.3f}" for v in vals))
         print(f"\nload average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
