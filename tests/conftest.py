@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import settings
+
+from tests import progress
 
 # No per-example deadline: on a loaded 2-core CI machine a pure-function example can take longer
 # than hypothesis's default 200 ms (DeadlineExceeded seen in tests/runtime/data/test_shard.py),
 # and these properties are about results, not speed (speed is measured in bench/).
 settings.register_profile("dcp", deadline=None)
 settings.load_profile("dcp")
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's terminal reporter exists
+def pytest_configure(config: pytest.Config) -> None:
+    progress.install(config)
