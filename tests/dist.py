@@ -52,9 +52,12 @@ _PRELOAD = [
     "numpy",
     "pytest",
     "planner.groups",
-    # torchtitan (~5 s of CPU to import, per rank): imported once where the extra is installed;
-    # the forkserver skips a preload module that is not importable.
+    # torchtitan (~5 s of CPU to import, per rank) and Megatron-core with the adapter (~4 s per
+    # rank; the suite starts about a hundred Megatron ranks): imported once where the extras are
+    # installed; the forkserver skips a preload module that is not importable. Importing the
+    # adapter patches nothing (``apply_patches`` runs when a job is built, in the child).
     "runtime.adapters.torchtitan.titan",
+    "runtime.adapters.megatron",
 ]
 multiprocessing.set_forkserver_preload(_PRELOAD)
 
