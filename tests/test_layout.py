@@ -125,9 +125,13 @@ def test_every_test_file_is_collected() -> None:
     import subprocess
     import sys
 
+    # tests/collected_files.py: the same walk of the folders, without importing every module.
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "",
-                          "-p", "no:cacheprovider", "tests"], capture_output=True, text=True,
-                         cwd=ROOT, timeout=300)
-    collected = {line.split("::")[0] for line in out.stdout.splitlines() if "::" in line}
+                          "-p", "no:cacheprovider", "-p", "tests.collected_files", "tests"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 5, out.stdout + out.stderr  # 5: no tests (none was imported)
+    collected = {line.split(": ", 1)[1] for line in out.stdout.splitlines()
+                 if line.startswith("collected-file: ")}
     files = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").rglob("test_*.py")}
+    assert collected, out.stdout
     assert files - collected == set()

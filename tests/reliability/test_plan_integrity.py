@@ -8,6 +8,7 @@ the header passed, and ``dcp-plan show`` never validated.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -42,21 +43,29 @@ def _flips_are_caught(tmp_path: Path, bits: list[tuple[int, int]]) -> None:
     data = path.read_bytes()
     ref = _content(path)
     damaged = tmp_path / "damaged.arrow"
+    damaged.write_bytes(data)
     missed = []
-    for byte, bit in bits:
-        b = bytearray(data)
-        b[byte] ^= 1 << bit
-        damaged.write_bytes(b)
-        try:
-            got = _content(damaged)
-        except ValueError:
-            continue  # detected, with a message (any other exception fails the test)
-        # Not detected: only acceptable when nothing a reader sees changed (padding bytes).
-        same = (got[0].equals(ref[0], check_metadata=True) and len(got[1]) == len(ref[1])
-                and all(x.equals(y) for x, y in zip(got[1], ref[1], strict=True))
-                and got[2] == ref[2])
-        if not same:
-            missed.append((byte, bit))
+    # One copy, each flip made and undone in place: rewriting a whole file costs ext4 a flush
+    # per truncation (4 ms each, most of this test's time), a one-byte write does not.
+    fd = os.open(damaged, os.O_RDWR)
+    try:
+        for byte, bit in bits:
+            os.pwrite(fd, bytes([data[byte] ^ (1 << bit)]), byte)
+            try:
+                got = _content(damaged)
+            except ValueError:
+                continue  # detected, with a message (any other exception fails the test)
+            finally:
+                os.pwrite(fd, data[byte:byte + 1], byte)
+            # Not detected: only acceptable when nothing a reader sees changed (padding bytes).
+            same = (got[0].equals(ref[0], check_metadata=True) and len(got[1]) == len(ref[1])
+                    and all(x.equals(y) for x, y in zip(got[1], ref[1], strict=True))
+                    and got[2] == ref[2])
+            if not same:
+                missed.append((byte, bit))
+    finally:
+        os.close(fd)
+    assert damaged.read_bytes() == data  # every flip was undone
     assert not missed, f"undetected flips that change the plan: {missed[:10]}"
 
 
@@ -66,9 +75,11 @@ def test_one_bit_flip_per_byte_is_detected_or_harmless(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_every_single_bit_flip_is_detected_or_harmless(tmp_path: Path) -> None:
+def test_every_other_single_bit_flip_is_detected_or_harmless(tmp_path: Path) -> None:
+    # The other seven bits of every byte: with the test above, every single-bit flip once.
     size = len(_plan(tmp_path).read_bytes())
-    _flips_are_caught(tmp_path, [(i, bit) for i in range(size) for bit in range(8)])
+    _flips_are_caught(tmp_path, [(i, bit) for i in range(size) for bit in range(8)
+                                 if bit != i % 8])
 
 
 def _rewrite(src: Path, dst: Path, table_fn: object = None, *, drop_checksums: bool = False,
