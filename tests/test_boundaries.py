@@ -3,6 +3,7 @@ never loads ortools, and Transformer Engine is imported by one module only."""
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 import sys
@@ -11,28 +12,29 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _loaded(code: str) -> set[str]:
+@functools.cache  # two tests ask about the same interpreter: it is started once
+def _loaded(code: str) -> frozenset[str]:
     script = code + "\nimport sys\nprint(' '.join(sys.modules))"
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          check=True, cwd=ROOT).stdout
-    return set(out.split())
+    return frozenset(out.split())
+
+
+# Every planner module, planner.solver.ray_engine included.
+EVERY_PLANNER_MODULE = ("import importlib, pkgutil, planner\n"
+                        "for m in pkgutil.walk_packages(planner.__path__, 'planner.'):\n"
+                        "    if not m.name.endswith('__main__'):\n"
+                        "        importlib.import_module(m.name)")
 
 
 def test_planner_does_not_import_torch() -> None:
-    mods = _loaded("import importlib, pkgutil, planner\n"
-                   "for m in pkgutil.walk_packages(planner.__path__, 'planner.'):\n"
-                   "    if not m.name.endswith('__main__'):\n"
-                   "        importlib.import_module(m.name)")
-    assert "torch" not in mods
+    assert "torch" not in _loaded(EVERY_PLANNER_MODULE)
 
 
 def test_ray_loads_only_for_the_ray_engine() -> None:
-    # Every planner module, planner.solver.ray_engine included: Ray is imported when the engine
-    # runs, never at import (a plain `dcp-plan` must not pay for it, or need it installed).
-    mods = _loaded("import importlib, pkgutil, planner\n"
-                   "for m in pkgutil.walk_packages(planner.__path__, 'planner.'):\n"
-                   "    if not m.name.endswith('__main__'):\n"
-                   "        importlib.import_module(m.name)")
+    # Ray is imported when the engine runs, never at import (a plain `dcp-plan` must not pay
+    # for it, or need it installed).
+    mods = _loaded(EVERY_PLANNER_MODULE)
     assert "planner.solver.ray_engine" in mods
     assert "ray" not in mods
 

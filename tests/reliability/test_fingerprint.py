@@ -8,10 +8,10 @@ of every token per file; ``dcp-train`` (every framework, and each one's ``--refe
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import io
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +31,6 @@ from runtime.data.plan_source import open_plan_source
 from runtime.train.cli import main as train_main
 from tests.dist import run_distributed
 from tests.reliability.helpers import (
-    ROOT,
     TRAIN_FLAGS,
     no_traceback,
     pool1_plan,
@@ -210,10 +209,21 @@ def test_framework_adapters_refuse_edited_tokens(tmp_path: Path, framework: str)
     lines[5] = json.dumps(rec)
     data.write_text("\n".join(lines) + "\n")
     for extra in ([], ["--reference"]):
-        proc = subprocess.run(
-            [sys.executable, "-m", "runtime.train", "--framework", framework, "--plan",
-             str(plan), "--dataset", str(data), *TRAIN_FLAGS,
-             "--steps", "1", *extra], capture_output=True, text=True, timeout=300, cwd=ROOT)
-        assert proc.returncode == 2, proc.stderr[-2000:]
-        assert f"the tokens of {data} (content fingerprint" in proc.stderr
-        assert no_traceback(proc.stderr)
+        # dcp-train in a fresh process of its own (tests.dist's, whose server has imported the
+        # frameworks once), as a user's launch would run it.
+        ((code, err),) = run_distributed(
+            _train_cli, 1, ["--framework", framework, "--plan", str(plan), "--dataset",
+                            str(data), *TRAIN_FLAGS, "--steps", "1", *extra],
+            backend=None, timeout=300)
+        assert code == 2, err[-2000:]
+        assert f"the tokens of {data} (content fingerprint" in err
+        assert no_traceback(err)
+
+
+def _train_cli(rank: int, world_size: int, store: str, argv: list[str]) -> tuple[int, str]:
+    """``dcp-train ARGV``: its exit status and what it printed to stderr."""
+    del rank, world_size, store
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = train_main(argv)
+    return code, err.getvalue()
