@@ -158,7 +158,13 @@ def _varlen_kernel() -> Callable[..., Tensor]:
 
 def _varlen_reference(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int,
                       max_k: int) -> Tensor:
-    """Per-segment SDPA with a bottom-right causal mask: the CPU stand-in for the kernel."""
+    """Per-segment SDPA with a bottom-right causal mask: the CPU stand-in for the kernel.
+
+    A segment whose queries are all of its keys (every CP=1 sequence) is plain causal: it goes
+    to SDPA's fused kernel (4-D inputs, ``is_causal``), whose memory is linear in its length; a
+    piece of a sequence (CP > 1) needs the explicit mask, and SDPA's math path holds its
+    queries x keys scores per head.
+    """
     del max_q, max_k
     h = q.shape[1]
     outs = []
@@ -167,8 +173,12 @@ def _varlen_reference(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tenso
         ks = expand_kv(k[int(cu_k[i]):int(cu_k[i + 1])], h).transpose(0, 1)
         vs = expand_kv(v[int(cu_k[i]):int(cu_k[i + 1])], h).transpose(0, 1)
         m, e = qs.shape[1], ks.shape[1]
-        mask = torch.ones(m, e, dtype=torch.bool, device=q.device).tril(e - m)
-        outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(0, 1))
+        if m == e:
+            out = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True)[0]
+        else:
+            mask = torch.ones(m, e, dtype=torch.bool, device=q.device).tril(e - m)
+            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
+        outs.append(out.transpose(0, 1))
     return torch.cat(outs) if outs else q[:0]
 
 

@@ -18,8 +18,9 @@ the slowest rank's (all ranks run the same configuration at once) and a sample i
 1. CP=1: every rank runs whole buffers of T tokens made of T/L documents of length L, for
    L = 512, 1K, ... 32K (``--min-length``, ``--max-length``) and T = Tmax, Tmax/4, Tmax/16, plus
    one mixed buffer per T (a long document and many short ones). Tmax is the largest power of
-   two <= ``--max-tokens`` whose peak memory, extrapolated from two probe runs, fits in
-   ``--memory-fraction`` of the GPU (on CPU: that power of two). t = m + a T + b sum L^2 is
+   two <= ``--max-tokens`` whose peak memory, extrapolated from three probe runs, fits in
+   ``--memory-fraction`` of the GPU, or on CPU of the host's available memory shared by its
+   ranks (``runtime.calibrate.memory``). t = m + a T + b sum L^2 is
    fitted by non-negative least squares on relative errors (runtime/calibrate/fit.py):
    a = linear_s_per_token, b = attention_s_per_token2, m = microbatch_s.
 2. With W >= 2 processes (torchrun, or ``--nproc W`` which spawns them; NCCL on GPU, gloo on
@@ -36,8 +37,10 @@ Usage (2 GPUs; ``--nproc 2`` without torchrun does the same)::
         --vocab-size 32000 --dtype bf16 --output h200-8x2048.json
 
 Budget: measured 2026-11-30 on 2 x H200 with that model (torch attention): Tmax = 64K (the
-default cap), 26 samples, 121 s wall including start-up, fit within 2.1% of every sample.
-``--quick`` (2 token sizes, every other length, 1 warm-up, 3 repeats) is for smoke tests.
+default cap), 26 samples, 121 s wall including start-up, fit within 2.1% of every sample. On
+CPU the default cap is 8,192 (the run checks the tool; its times are the CPU's): about 160 s of
+CPU with the default model on a shared 2-core host. ``--quick`` (Tmax 4,096, 2 token sizes,
+every other length, 1 warm-up, 3 repeats) is for smoke tests: about 8 s of CPU there.
 
 Trade-off: one linear model cannot follow everything (short documents run attention less
 efficiently than long ones; the ring's cost depends on document length); the table printed last
@@ -69,7 +72,17 @@ from planner.cliargs import (
 )
 from planner.fileguard import check_output
 from runtime.calibrate.fit import format_table
-from runtime.calibrate.run import CalibrateConfig, calibrate, to_json, write_json
+from runtime.calibrate.run import (
+    CPU_MAX_TOKENS,
+    MAX_LENGTH,
+    MAX_TOKENS,
+    QUICK_MAX_TOKENS,
+    CalibrateConfig,
+    calibrate,
+    grid_defaults,
+    to_json,
+    write_json,
+)
 from runtime.calibrate.timing import DTYPES
 from runtime.train.backends import ATTENTIONS
 from runtime.train.model import (
@@ -78,6 +91,19 @@ from runtime.train.model import (
     add_model_arguments,
     model_config_from_args,
 )
+
+EPILOG = f"""\
+what the defaults cost:
+  GPU: Tmax {MAX_TOKENS:,} tokens, documents 512..32,768, 20 CP=1 buffers plus 6 per CP size,
+  3 warm-ups + 7 timed runs each: 121 s wall on 2 x H200 for an 8-layer, 2048-wide model.
+  CPU: Tmax {CPU_MAX_TOKENS:,} (a check of the tool: the times are the CPU's), 10 buffers: about
+  160 s of CPU on a shared 2-core host with the default model; --quick ({QUICK_MAX_TOKENS:,}
+  tokens, 5 buffers, 1 + 3 runs): about 8 s of CPU and 0.6 GB.
+  Memory: three small probe runs fit the peak of a buffer (per token and per squared document
+  length); Tmax is lowered until the largest buffer fits --memory-fraction of the GPU, or on
+  CPU of the host's available memory (cgroup limits included) shared by its ranks. The JSON's
+  measured.memory records the budget, the predicted and the measured peak.
+"""
 
 CALIBRATE_FLAGS = {**MODEL_FLAGS, "max_tokens": "--max-tokens", "min_length": "--min-length",
                    "max_length": "--max-length", "memory_fraction": "--memory-fraction",
@@ -96,7 +122,7 @@ def parse_args(argv: Sequence[str] | None = None
                ) -> tuple[CalibrateConfig, GPTConfig, int, Report]:
     """Parse ``dcp-calibrate``'s flags into (CalibrateConfig, GPTConfig, nproc, report)."""
     p = ArgumentParser(prog="dcp-calibrate", description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
+                       formatter_class=HelpFormatter, epilog=EPILOG)
     add_version(p)
     p.add_argument("--output", "-o", required=True, help="cost-model JSON file to write")
     p.add_argument("--name", default="", help="cost-model name (default: the output's stem)")
@@ -109,27 +135,41 @@ def parse_args(argv: Sequence[str] | None = None
                    help="spawn this many processes (one per GPU) unless run under torchrun")
     p.add_argument("--cp-sizes", type=int_at_least(2), nargs="*", default=[],
                    help="CP group sizes > 1 to measure (default: every valid size)")
-    p.add_argument("--max-tokens", type=positive_int, default=65536,
-                   help="largest CP=1 buffer (GPU: lowered to what memory holds)")
+    p.add_argument("--max-tokens", type=positive_int, default=None,
+                   help=f"cap of the largest CP=1 buffer, Tmax (default {MAX_TOKENS:,} on GPU, "
+                   f"{CPU_MAX_TOKENS:,} on CPU; --quick: {QUICK_MAX_TOKENS:,}); lowered to "
+                   "what memory holds (see below)")
     p.add_argument("--min-length", type=positive_int, default=512, help="shortest document length")
-    p.add_argument("--max-length", type=positive_int, default=32768, help="longest document length")
+    p.add_argument("--max-length", type=positive_int, default=None,
+                   help=f"longest document length (default: half of --max-tokens, at most "
+                   f"{MAX_LENGTH:,})")
     p.add_argument("--memory-fraction", type=positive_float, default=0.7,
-                   help="GPU memory share the largest buffer may use")
-    p.add_argument("--warmup", type=nonnegative_int, default=3,
-                   help="untimed runs per configuration")
-    p.add_argument("--repeats", type=positive_int, default=7, help="timed runs per configuration")
-    p.add_argument("--quick", action="store_true", help="small grid, 1 warm-up, 3 repeats")
+                   help="share of the memory the largest buffer may use: of the GPU's, or on "
+                   "CPU of the host's available memory split among the ranks on the host")
+    p.add_argument("--warmup", type=nonnegative_int, default=None,
+                   help="untimed runs per configuration (default 3; --quick: 1)")
+    p.add_argument("--repeats", type=positive_int, default=None,
+                   help="timed runs per configuration (default 7; --quick: 3)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"a smoke test: Tmax {QUICK_MAX_TOKENS:,} and documents up to half of "
+                   "it (unless given), every other length, 1 warm-up, 3 repeats")
     p.add_argument("--seed", type=seed_int, default=0, help="seed of weights and tokens")
     add_json_arguments(p)
     add_model_arguments(p)
     a = p.parse_args(argv)
     try:
         model_config = model_config_from_args(a)
+        max_tokens, max_length = grid_defaults(quick=a.quick, device=a.device,
+                                               max_tokens=a.max_tokens,
+                                               max_length=a.max_length,
+                                               min_length=a.min_length)
+        warmup = (1 if a.quick else 3) if a.warmup is None else a.warmup
+        repeats = (3 if a.quick else 7) if a.repeats is None else a.repeats
         cfg = CalibrateConfig(output=a.output, name=a.name, device=a.device,
-                              attention=a.attention, dtype=a.dtype, max_tokens=a.max_tokens,
-                              min_length=a.min_length, max_length=a.max_length,
-                              memory_fraction=a.memory_fraction, warmup=a.warmup,
-                              repeats=a.repeats, quick=a.quick, cp_sizes=tuple(a.cp_sizes),
+                              attention=a.attention, dtype=a.dtype, max_tokens=max_tokens,
+                              min_length=a.min_length, max_length=max_length,
+                              memory_fraction=a.memory_fraction, warmup=warmup,
+                              repeats=repeats, quick=a.quick, cp_sizes=tuple(a.cp_sizes),
                               seed=a.seed)
         if a.nproc < 1:
             raise ValueError(f"--nproc must be >= 1, got {a.nproc}")

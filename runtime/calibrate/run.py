@@ -8,7 +8,7 @@ import json
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -19,18 +19,38 @@ import torch.distributed as dist
 from planner.fileguard import write_atomic
 from planner.groups import ZIGZAG, valid_cp_sizes
 from runtime.calibrate.fit import Fit, fit_cost_model
-from runtime.calibrate.timing import (
-    DTYPES,
-    MicrobatchTimer,
-    probe_max_tokens,
-    ring_grid,
-    single_grid,
-)
+from runtime.calibrate.memory import peak_rss, probe_max_tokens, reset_peak_rss
+from runtime.calibrate.timing import DTYPES, MicrobatchTimer, ring_grid, single_grid
 from runtime.train.backends import ATTENTIONS
 from runtime.train.model import GPTConfig
 
 FORMAT = "dcp-calibrate/1"
 """Version of the ``measured`` block."""
+MAX_TOKENS = 65536
+"""Default cap of Tmax on GPU (``--max-tokens``); the memory probe may lower it."""
+CPU_MAX_TOKENS = 8192
+"""Default cap of Tmax on CPU: its attention is quadratic at CPU speed (one 65,536-token buffer
+of 32K documents is 42 s of CPU with the default model; the grid at 8,192 about 3 minutes)."""
+QUICK_MAX_TOKENS = 4096
+"""Default cap of Tmax with ``--quick``: five CP=1 buffers of at most 4,096 tokens."""
+MAX_LENGTH = 32768
+"""Longest document measured by default, when the cap is at least twice as long."""
+
+
+def grid_defaults(*, quick: bool, device: str, max_tokens: int | None, max_length: int | None,
+                  min_length: int) -> tuple[int, int]:
+    """(max_tokens, max_length) with the defaults filled in.
+
+    The cap is 65,536 tokens on GPU and 8,192 on CPU (``--quick``: 4,096 on either); the
+    longest document is half the cap, at most 32,768 and at least ``min_length``, so a cap given
+    alone never contradicts it.
+    """
+    if max_tokens is None:
+        max_tokens = (QUICK_MAX_TOKENS if quick else
+                      MAX_TOKENS if device == "cuda" else CPU_MAX_TOKENS)
+    if max_length is None:
+        max_length = max(min_length, min(MAX_LENGTH, max_tokens // 2))
+    return max_tokens, max_length
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -48,20 +68,22 @@ class CalibrateConfig:
     dtype: str = "bf16"
     """bf16 (autocast, fp32 master weights) or fp32."""
     max_tokens: int = 65536
-    """Upper bound of Tmax, the largest CP=1 buffer (rounded down to a power of two); on GPU the
-    memory probe may lower it further."""
+    """Upper bound of Tmax, the largest CP=1 buffer (rounded down to a power of two); the
+    memory probe may lower it further (``runtime.calibrate.memory``)."""
     min_length: int = 512
     """Shortest document length measured."""
     max_length: int = 32768
     """Longest document length measured."""
     memory_fraction: float = 0.7
-    """Share of GPU memory the largest buffer's extrapolated peak may use."""
+    """Share of the memory the largest buffer's extrapolated peak may use: the GPU's, or on CPU
+    the host's available memory divided among the host's ranks."""
     warmup: int = 3
     """Untimed runs per configuration."""
     repeats: int = 7
     """Timed runs per configuration (the median is kept)."""
     quick: bool = False
-    """Smaller grid, 1 warm-up, 3 repeats."""
+    """Smaller grids (``timing.single_grid``, ``ring_grid``); ``--quick`` also lowers the cap,
+    the warm-ups and the repeats (``grid_defaults``, ``runtime.calibrate.cli``)."""
     cp_sizes: tuple[int, ...] = ()
     """Group sizes > 1 to measure; empty: every valid size of the world."""
     seed: int = 0
@@ -132,10 +154,12 @@ def _machine(device: torch.device) -> str:
 
 
 def _peak_bytes(device: torch.device) -> int:
-    """Largest allocation of any rank since the probe (0 on CPU): the headroom actually left."""
+    """Largest peak of any rank since the probe: CUDA allocations on GPU, the resident
+    high-water mark on CPU (0 where unknown), to compare with the probe's budget."""
     if device.type != "cuda":
-        return 0
-    peak = torch.tensor([torch.cuda.max_memory_allocated(device)], device=device)
+        peak = torch.tensor([peak_rss()], dtype=torch.int64)
+    else:
+        peak = torch.tensor([torch.cuda.max_memory_allocated(device)], device=device)
     if dist.get_world_size() > 1:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return int(peak.item())
@@ -160,8 +184,6 @@ def calibrate(cfg: CalibrateConfig, model_config: GPTConfig) -> Calibration:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = (torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda"
               else torch.device("cpu"))
-    if cfg.quick:
-        cfg = replace(cfg, warmup=min(cfg.warmup, 1), repeats=min(cfg.repeats, 3))
     attention = resolve_attention(cfg)
     sizes = tuple(k for k in valid_cp_sizes(world_size) if k > 1)
     if cfg.cp_sizes:
@@ -180,6 +202,8 @@ def calibrate(cfg: CalibrateConfig, model_config: GPTConfig) -> Calibration:
     probe = probe_max_tokens(timer, max_tokens=cfg.max_tokens, min_length=cfg.min_length,
                              max_length=cfg.max_length, memory_fraction=cfg.memory_fraction)
     tmax = probe.max_tokens
+    if device.type != "cuda":
+        reset_peak_rss()  # from here on the high-water mark is the grid's
     _say(f"dcp-calibrate: {world_size} x {_machine(device)}, attention {attention}, "
          f"{cfg.dtype}, Tmax {tmax} tokens, CP sizes {list(sizes) or 'none'}")
 

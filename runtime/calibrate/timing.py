@@ -25,7 +25,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,8 +41,6 @@ from runtime.train.model import GPT, GPTConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """Compute dtypes, as ``dcp-train`` names them (bf16 is autocast over fp32 weights)."""
-PROBE_LENGTH = 4096
-"""Document length of the memory probe's buffers."""
 
 
 def _lengths_between(lo: int, hi: int, quick: bool) -> list[int]:
@@ -223,53 +220,3 @@ class MicrobatchTimer:
         self.run(mb, None, [self.rank])
         torch.cuda.synchronize(self.device)
         return int(torch.cuda.max_memory_allocated(self.device))
-
-
-@dataclass(frozen=True, slots=True)
-class MemoryProbe:
-    """The memory probe's result; byte counts are 0 on CPU, where nothing is probed."""
-
-    max_tokens: int
-    """Tmax: the largest CP=1 buffer to measure (the same on every rank)."""
-    fixed_bytes: int = 0
-    """Extrapolated peak at zero tokens: weights, gradients, workspaces."""
-    bytes_per_token: int = 0
-    """Extrapolated peak growth per buffer token: activations and logits."""
-    total_bytes: int = 0
-    """The GPU's memory."""
-
-
-def probe_max_tokens(timer: MicrobatchTimer, *, max_tokens: int, min_length: int,
-                     max_length: int, memory_fraction: float) -> MemoryProbe:
-    """Tmax: the largest power of two <= max_tokens whose extrapolated peak memory fits.
-
-    Peak memory is affine in the buffer's tokens (weights and gradients, plus activations and
-    logits per token; the attention kernels keep no T x T state), so two probe runs of 2 and 4
-    documents of ``PROBE_LENGTH`` give it. On CPU nothing is probed. A collective on GPU: every
-    rank returns the world's minimum.
-
-    Raises:
-        ValueError: not even 2 x min_length tokens fit.
-    """
-    tmax = 1 << (max_tokens.bit_length() - 1)
-    if timer.device.type != "cuda":
-        return MemoryProbe(max_tokens=tmax)
-    length = min(PROBE_LENGTH, max_length)
-    timer.peak_bytes((length,) * 2)  # allocates the gradients, which then stay
-    small = timer.peak_bytes((length,) * 2)
-    large = timer.peak_bytes((length,) * 4)
-    per_token = max(large - small, 1) / (2 * length)
-    fixed = small - per_token * 2 * length
-    total = torch.cuda.get_device_properties(timer.device).total_memory
-    fits = (memory_fraction * total - fixed) / per_token
-    while tmax > min_length and tmax > fits:
-        tmax //= 2
-    found = torch.tensor([tmax], dtype=torch.int64, device=timer.device)
-    if timer.world_size > 1:
-        dist.all_reduce(found, op=dist.ReduceOp.MIN)
-    tmax = int(found.item())
-    if tmax < 2 * min_length:
-        raise ValueError(f"the GPU holds only about {int(fits)} tokens of this model at "
-                         f"memory fraction {memory_fraction}; lower --min-length")
-    return MemoryProbe(max_tokens=tmax, fixed_bytes=int(fixed), bytes_per_token=int(per_token),
-                       total_bytes=int(total))

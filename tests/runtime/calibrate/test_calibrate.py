@@ -8,14 +8,30 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.cost import CostModel, load_cost_model
 from runtime.calibrate.cli import main
 from runtime.calibrate.fit import Sample, fit_compute, fit_cost_model, format_table, nnls
-from runtime.calibrate.run import CalibrateConfig, calibrate, resolve_attention, to_json
-from runtime.calibrate.timing import ring_grid, single_grid
+from runtime.calibrate.memory import (
+    MemoryProbe,
+    fit_memory,
+    fit_tmax,
+    peak_rss,
+    predicted_peak,
+    probe_max_tokens,
+    reset_peak_rss,
+)
+from runtime.calibrate.run import (
+    CalibrateConfig,
+    calibrate,
+    grid_defaults,
+    resolve_attention,
+    to_json,
+)
+from runtime.calibrate.timing import MicrobatchTimer, ring_grid, single_grid
 from runtime.train.model import GPTConfig
 from tests.dist import run_distributed
 
@@ -152,8 +168,103 @@ def test_default_grid_size_fits_the_budget() -> None:
     assert len(ring_grid(65536, 512, 32768, (2,))) == 6
 
 
+def test_defaults_fill_the_grid_bounds() -> None:
+    def defaults(**kw: Any) -> tuple[int, int]:
+        return grid_defaults(**{"quick": False, "device": "cuda", "max_tokens": None,
+                                "max_length": None, "min_length": 512, **kw})
+
+    assert defaults() == (65536, 32768)
+    assert defaults(device="cpu") == (8192, 4096)
+    assert defaults(quick=True) == defaults(quick=True, device="cpu") == (4096, 2048)
+    # A cap given alone sets the longest document (it used to be an error: 32768 > 8192).
+    assert defaults(max_tokens=8192) == (8192, 4096)
+    assert defaults(quick=True, max_tokens=1024) == (1024, 512)
+    assert defaults(quick=True, max_length=4096) == (4096, 4096)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory: the probe's model and the bound it puts on Tmax.
+
+
+def test_memory_fit_recovers_an_exact_peak_model() -> None:
+    def peak(lengths: tuple[int, ...]) -> int:
+        return 500_000_000 + 9000 * sum(lengths) + 60 * sum(n * n for n in lengths)
+
+    assert fit_memory(peak, 1024) == (500_000_000, 9000, 60.0)
+
+
+def test_tmax_is_the_largest_power_of_two_under_the_budget() -> None:
+    probe = MemoryProbe(max_tokens=65536, fixed_bytes=500 << 20, bytes_per_token=9000,
+                        bytes_per_token2=60.0, total_bytes=8 << 30, budget_bytes=4 << 30)
+    got = fit_tmax(probe, max_tokens=65536, min_length=512, max_length=32768)
+    assert got.max_tokens == 4096  # 8192 x 8192 x 60 bytes of scores alone are 3.75 GiB
+    assert got.predicted_peak_bytes == int(predicted_peak(probe, 4096, 32768))
+    assert got.predicted_peak_bytes <= probe.budget_bytes
+    assert predicted_peak(probe, 8192, 32768) > probe.budget_bytes
+    small = MemoryProbe(max_tokens=65536, fixed_bytes=500 << 20, bytes_per_token=9000,
+                        bytes_per_token2=60.0, total_bytes=1 << 30, budget_bytes=520 << 20,
+                        ranks_on_host=2)
+    with pytest.raises(ValueError, match=r"this host \(1.0 GiB available, 2 rank\(s\) on it\) "
+                       r"holds only about 512 tokens.*lower --min-length"):
+        fit_tmax(small, max_tokens=65536, min_length=512, max_length=32768)
+
+
+def _probe_and_run_biggest(rank: int, world_size: int, store_path: str,
+                           available: int) -> dict[str, int]:
+    """The CPU probe with ``available`` bytes on the host, then the grid's largest buffer run
+    for real: its measured peak against what the host had."""
+    del rank, world_size, store_path
+    model = GPTConfig(vocab_size=256, num_layers=2, hidden_size=64, num_heads=4,
+                      num_query_groups=4)
+    # The reference attention holds every document's L x L scores: memory grows as sum L^2.
+    timer = MicrobatchTimer(model, attention="reference", dtype="fp32",
+                            device=torch.device("cpu"), seed=0)
+    reset_peak_rss()
+    start = peak_rss()
+    probe = probe_max_tokens(timer, max_tokens=65536, min_length=256, max_length=32768,
+                             memory_fraction=0.7, available_bytes=available)
+    biggest = single_grid(probe.max_tokens, 256, 32768)[0]
+    reset_peak_rss()
+    timer.run(timer.inputs(biggest, 1, 0, 0), None, [0])
+    return {"start": start, "tmax": probe.max_tokens, "budget": probe.budget_bytes,
+            "predicted": probe.predicted_peak_bytes, "peak": peak_rss(),
+            "twice": int(predicted_peak(probe, 2 * probe.max_tokens, 32768))}
+
+
+@pytest.mark.dist
+def test_cpu_probe_keeps_the_largest_buffer_within_the_host() -> None:
+    # A host with 1.5 GiB available: the probe's Tmax fits with the default 0.7 margin, the
+    # measured peak of its largest buffer stays within what the host has, and twice that Tmax
+    # would not have fitted (so the bound is the memory's, not the cap's).
+    available = 3 << 29
+    (r,) = run_distributed(_probe_and_run_biggest, 1, available, timeout=240)
+    assert 512 <= r["tmax"] < 65536
+    assert r["predicted"] <= r["budget"] < r["twice"]
+    assert r["peak"] <= r["start"] + available, r
+
+
 # ---------------------------------------------------------------------------------------------
 # Real runs on CPU.
+
+
+def test_the_quick_default_runs_quickly_within_memory(tmp_path: Path) -> None:
+    """``dcp-calibrate -o cm.json --quick`` as a newcomer types it (it allocated until the
+    kernel killed it at 24 GB): Tmax 4,096, five buffers, a peak inside the probe's budget."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "runtime.calibrate", "-o", "cm.json", "--quick"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    m = json.loads((tmp_path / "cm.json").read_text())["measured"]
+    assert m["max_tokens"] == 4096
+    assert (m["warmup"], m["repeats"]) == (1, 3)
+    assert [s["documents"] for s in m["samples"]] == ["2x2048", "8x512", "1x2048+4x512",
+                                                      "1x1024", "2x512"]
+    memory = m["memory"]
+    assert 0 < memory["predicted_peak_bytes"] <= memory["budget_bytes"]
+    assert memory["peak_bytes"] <= memory["budget_bytes"]
+    assert memory["peak_bytes"] < 2 << 30  # (the old default's first buffer held over 24 GB)
 
 
 def test_te_falls_back_to_torch_with_a_warning(capsys: pytest.CaptureFixture[str]) -> None:
