@@ -12,7 +12,9 @@
   bars, or past ``max_bars`` steps each bin's min-max band and time-weighted mean), the CP
   share, and microbatches per step (binned alike).
 
-Legends sit outside the axes, to the right, so they never cover data.
+Legends sit outside the axes, to the right, so they never cover data. Every function returns
+the matplotlib ``Figure`` (``fig.savefig(...)``, or shown by a notebook); given ``ax``, it draws
+there and returns the figure holding ``ax``, so panels compose into a figure of your own.
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ def _groups(cols: dict[str, NDArray[Any]]) -> tuple[NDArray[np.intp], ...]:
 
 def plot_step_load(header: PlanHeader, cost: CostModel, step: int, cols: dict[str, NDArray[Any]],
                    ax: Any = None, *, lower_bound: float | None = None) -> Any:
-    """One step's schedule: rank on x, simulated seconds on y, one bar per CP group."""
+    """One step's schedule: rank on x, simulated seconds on y, one bar per CP group; returns
+    the Figure (``ax``'s when given)."""
     ax = _axes(ax)
     n = header.parallel.pool_size
     padded = cols["padded_tokens"].astype(np.float64)
@@ -114,7 +117,7 @@ def plot_step_load(header: PlanHeader, cost: CostModel, step: int, cols: dict[st
                              label="padding-only group"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0,
               frameon=False, fontsize=8)
-    return ax
+    return ax.figure
 
 
 def step_bins(num_steps: int, max_bars: int = MAX_BARS) -> NDArray[np.int64]:
@@ -151,7 +154,8 @@ def _x(edges: NDArray[np.int64]) -> tuple[NDArray[np.float64], NDArray[np.float6
 
 def plot_cp_mix(header: PlanHeader, summary: pa.Table, ax: Any = None, *,
                 by: str = "rank_time", max_bars: int = MAX_BARS) -> Any:
-    """Share of each step's rank-time (``by="tokens"``: real tokens) per CP size, stacked."""
+    """Share of each step's rank-time (``by="tokens"``: real tokens) per CP size, stacked;
+    returns the Figure (``ax``'s when given)."""
     ax = _axes(ax)
     edges = step_bins(summary.num_rows, max_bars)
     shares = _cp_shares(header, summary, by, edges)
@@ -169,14 +173,15 @@ def plot_cp_mix(header: PlanHeader, summary: pa.Table, ax: Any = None, *,
     ax.set_xlabel("step" + (f" (bins of {int(width[0])} steps)" if binned else ""))
     ax.set_title(f"CP sizes: share of {what} per {'bin of steps' if binned else 'step'}")
     _legend_outside(ax)
-    return ax
+    return ax.figure
 
 
 def plot_gain(header: PlanHeader, summary: pa.Table, ax: Any = None, *,
               max_bars: int = MAX_BARS) -> Any:
     """Per step, static CP's and Megatron's simulated time over the plan's (binned past
     ``max_bars``: the bin's min-max band and its time-weighted mean); a note where a baseline
-    has no number (not scored, or a plan made before the gain was recorded)."""
+    has no number (not scored, or a plan made before the gain was recorded); returns the Figure
+    (``ax``'s when given)."""
     from planner.planfile.gain import KEYS, describe
 
     ax = _axes(ax)
@@ -229,7 +234,7 @@ def plot_gain(header: PlanHeader, summary: pa.Table, ax: Any = None, *,
                                              "edgecolor": "none"})
     ax.set_xlabel("step" + (f" (bins of {int(width[0])} steps)" if binned else ""))
     _legend_outside(ax, fontsize=8)
-    return ax
+    return ax.figure
 
 
 def plot_summary(header: PlanHeader, summary: pa.Table, *, max_bars: int = MAX_BARS,

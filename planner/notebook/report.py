@@ -73,12 +73,12 @@ def _figure(key: str, header: PlanHeader, view: PlanView, summary: pa.Table) -> 
 
     n = summary.num_rows
     if key == "gain":
-        return plot.plot_gain(header, summary).figure
+        return plot.plot_gain(header, summary)
     if key == "mix":
-        return plot.plot_cp_mix(header, summary).figure
+        return plot.plot_cp_mix(header, summary)
     if key == "load":
         slowest = int(np.argmax(summary.column("simulated_s").to_numpy()))
-        return view.plot_step_load(slowest).figure
+        return view.plot_step_load(slowest)
     ax = plot._axes(None, figsize=(10, 3.2))
     edges = plot.step_bins(n)
     binned = len(edges) - 1 < n

@@ -194,7 +194,7 @@ class PlanView:
 
     def plot_step_load(self, i: int, ax: Any = None) -> Any:
         """One step's schedule: a bar per CP group over its ranks, coloured by microbatch, with
-        the simulated step time and the step's lower bound as lines."""
+        the simulated step time and the step's lower bound as lines; returns the Figure."""
         from planner.notebook.plot import plot_step_load
 
         cols = self.step_columns(i)
@@ -202,13 +202,15 @@ class PlanView:
         return plot_step_load(self.header, self.cost_model, i, cols, ax=ax, lower_bound=bound)
 
     def plot_cp_mix(self, ax: Any = None, *, by: str = "rank_time") -> Any:
-        """Share of each step's rank-time (or ``by="tokens"``) per CP size; binned past 120."""
+        """Share of each step's rank-time (or ``by="tokens"``) per CP size; binned past 120;
+        returns the Figure."""
         from planner.notebook.plot import plot_cp_mix
 
         return plot_cp_mix(self.header, self.summary(), ax=ax, by=by)
 
     def plot_summary(self) -> Any:
-        """One figure: time over bound, CP share of rank-time, microbatches, per step."""
+        """One figure: time over bound, predicted gain, CP share of rank-time, microbatches,
+        per step; returns the Figure."""
         from planner.notebook.plot import plot_summary
 
         return plot_summary(self.header, self.summary())

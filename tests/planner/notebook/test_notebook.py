@@ -110,7 +110,12 @@ def test_plots_at_32_and_2000_steps(tmp_path: Path, num_samples: int) -> None:
     plan = make_plan(table(long_tail(num_samples, 3)), config(effort="fast"), COST)
     path = write_plan(tmp_path / "p.arrow", plan.header, plan.record_batches())
     view = read_plan(path)
-    ax = view.plot_cp_mix()
+    from matplotlib.figure import Figure
+
+    # Every plot function returns a Figure (plot_step_load and plot_cp_mix returned Axes).
+    fig = view.plot_cp_mix()
+    assert isinstance(fig, Figure)
+    (ax,) = fig.axes
     bars = ax.patches
     # Binned past 120 steps; the shares of every bin stack to 100%.
     from planner.notebook.plot import step_bins
@@ -124,14 +129,25 @@ def test_plots_at_32_and_2000_steps(tmp_path: Path, num_samples: int) -> None:
                                         b.get_y() + b.get_height())
     assert np.allclose(list(tops.values()), 100.0)
     assert ax.get_legend() is not None
-    ax = view.plot_step_load(0)
+    fig = view.plot_step_load(0)
+    assert isinstance(fig, Figure)
+    (ax,) = fig.axes
     ticks = ax.get_xticks()
     assert np.allclose(ticks, np.round(ticks))                 # integer rank ticks
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     assert any(x.startswith("lower bound") for x in labels)
     assert any(x.startswith("microbatch 0") for x in labels)
     fig = view.plot_summary()
+    assert isinstance(fig, Figure)
     assert len(fig.axes) == 4
+    # Given axes, a plot draws there and returns the figure that holds them.
+    from planner.notebook.plot import plot_gain
+
+    mine, (left, right) = plt.subplots(1, 2)
+    assert view.plot_cp_mix(ax=right) is mine
+    assert view.plot_step_load(0, ax=left) is mine
+    assert plot_gain(view.header, view.summary()) is not mine
+    assert right.get_title().startswith("CP sizes")
     gain = fig.axes[1]
     assert gain.get_title().startswith("predicted gain")
     labels = [t.get_text() for t in gain.get_legend().get_texts()]
