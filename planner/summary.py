@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.planfile.gain import describe, gain_text
-from planner.planfile.schema import PlanHeader
+from planner.planfile.schema import PlanHeader, describe_launch
 
 __all__ = ["format_summary", "plan_summary"]
 
@@ -45,6 +45,9 @@ def plan_summary(header: PlanHeader, out: str | Path, phases: dict[str, float]) 
         "parallel": {"dp": p.dp, "cp": p.cp, "tp": p.tp, "pp": p.pp, "vpp": p.vpp,
                      "sequence_parallel": p.sequence_parallel, "pool_size": p.pool_size,
                      "microbatch_group_size": p.microbatch_group_size},
+        # What to start: every rank of the plan is one process (pool x tp x pp).
+        "world_size": p.world_size,
+        "launch": p.launch,
         "capacity_tokens_per_rank": header.capacity_tokens_per_rank,
         "cp_sizes": list(header.cp_sizes),
         "layout": header.layout,
@@ -102,6 +105,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"pool      dp {p['dp']} x cp {p['cp']} = {p['pool_size']} ranks (tp {p['tp']}, "
         f"pp {p['pp']}, vpp {p['vpp']}), cap {s['capacity_tokens_per_rank']:,} tokens/rank, "
         f"sizes {s['cp_sizes']}, {s['layout']}",
+        f"launch    {describe_launch(p['dp'], p['cp'], p['tp'], p['pp'])}",
         f"steps     {s['num_steps']:,} ("
         + ("eval: one pass in file order" if s["kind"] == "eval"
            else f"{s['num_epochs']} epoch(s)") + "), microbatches per step "

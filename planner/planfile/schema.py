@@ -93,6 +93,28 @@ class ParallelInfo:
     def microbatch_multiple(self) -> int:
         return self.microbatch_group_size if self.vpp > 1 else 1
 
+    @property
+    def world_size(self) -> int:
+        """Processes a job of this plan runs: pool x tp x pp."""
+        return self.pool_size * self.tp * self.pp
+
+    @property
+    def launch(self) -> str:
+        """How to start that job on one node: ``torchrun --nproc-per-node 8``."""
+        return f"torchrun --nproc-per-node {self.world_size}"
+
+    def launch_hint(self) -> str:
+        """The launch on one node and across nodes, for messages and the summary."""
+        return describe_launch(self.dp, self.cp, self.tp, self.pp)
+
+
+def describe_launch(dp: int, cp: int, tp: int, pp: int) -> str:
+    """``torchrun --nproc-per-node 8 (dp 1 x cp 2 x tp 2 x pp 2 = 8 processes; ...)``."""
+    w = dp * cp * tp * pp
+    return (f"torchrun --nproc-per-node {w} (dp {dp} x cp {cp} x tp {tp} x pp {pp} = {w} "
+            f"process{'es' if w > 1 else ''}; on several nodes: --nnodes N "
+            f"--nproc-per-node {w}/N)")
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlanHeader:

@@ -164,7 +164,9 @@ class PlanReader:
         if (topology.world_size != p.pool_size * p.tp * p.pp
                 or topology.dp * topology.cp != p.pool_size
                 or topology.tp != p.tp or topology.pp != p.pp):
-            raise ValueError(f"{self.path}: plan built for {want}, got {got}")
+            hint = (f": launch {p.launch_hint()}" if topology.world_size != p.world_size
+                    else "")
+            raise ValueError(f"{self.path}: plan built for {want}, got {got}{hint}")
 
     def check_dataset(self, lengths: NDArray[np.integer]) -> None:
         """Raise ValueError naming both fingerprints unless ``lengths`` are the plan's dataset."""

@@ -113,7 +113,8 @@ class Topology:
         if expected != world_size:
             raise ValueError(
                 f"plan built for world_size={expected} (dp={parallel.dp}, cp={parallel.cp}, "
-                f"tp={parallel.tp}, pp={parallel.pp}), got {world_size}"
+                f"tp={parallel.tp}, pp={parallel.pp}), got {world_size}: launch "
+                f"{parallel.launch_hint()}"
             )
         return cls(
             world_size=world_size,

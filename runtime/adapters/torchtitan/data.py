@@ -93,6 +93,11 @@ def _check_job(reader: PlanReader, dp_world_size: int, dp_rank: int) -> Topology
     if parallel.tp > 1 or parallel.pp > 1:
         raise ValueError(f"{path}: plan uses tp={parallel.tp}, pp={parallel.pp}; the torchtitan "
                          "adapter supports the dp x cp pool only")
+    # A wrong process count first (it says what to launch), then a config that splits the
+    # right count otherwise.
+    if dist.is_initialized() and dist.get_world_size() != parallel.world_size:
+        raise ValueError(f"{path}: plan built for world_size={parallel.world_size}, got "
+                         f"{dist.get_world_size()}: launch {parallel.launch_hint()}")
     if dp_world_size != parallel.pool_size:
         raise ValueError(
             f"{path}: plan built for a pool of {parallel.pool_size} ranks, torchtitan's "
