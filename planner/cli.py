@@ -96,8 +96,8 @@ def _add_dataset_arguments(p: argparse.ArgumentParser, *, required: bool) -> Non
                    "weights: 'W1 PATH1 W2 PATH2 ...'")
     p.add_argument("--skip-bad-records", action="store_true",
                    help="skip malformed records (reported) instead of stopping"
-                   if required else "read the dataset as the plan was made with "
-                   "--skip-bad-records")
+                   if required else "skip malformed records (default: as the plan was made: "
+                   "a plan that skipped records records it, and validate skips them too)")
     p.add_argument("--field", help="record field (JSONL) or column (Parquet, Arrow) with tokens "
                    "or a length (default: input_ids, tokens, length, num_tokens, the first "
                    "present); the plan records it, so dcp-train and validate read it too"
@@ -297,9 +297,11 @@ def cmd_validate(argv: list[str]) -> int:
             notice = override_notice(recorded, args.field, args.plan)
             if notice:
                 print(f"{PROG} validate: {notice}", file=sys.stderr)
+            # The skip policy the plan was made with (its header's skipped_bad_records), as
+            # the field: the flag is needed only for a plan that recorded none.
+            skip = args.skip_bad_records or f.header.skips_bad_records
             try:
-                table = read_lengths(items, skip_bad_records=args.skip_bad_records,
-                                     field=field, notice=_notice)
+                table = read_lengths(items, skip_bad_records=skip, field=field, notice=_notice)
             except ValueError as e:
                 raise ValueError(field_hint(str(e), recorded, args.field, args.plan)) from None
             lengths = table.lengths

@@ -143,6 +143,12 @@ class PlanHeader:
     )
 
     @property
+    def skips_bad_records(self) -> bool:
+        """Made with ``--skip-bad-records``, which skipped some: readers of its dataset (the
+        runtime, ``dcp-plan validate``) must skip them too, as the planner counted them."""
+        return int(self.stats.get("skipped_bad_records", 0) or 0) > 0
+
+    @property
     def num_steps(self) -> int:
         return sum(n for _, n in self.epochs)
 

@@ -47,7 +47,7 @@ Paths = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 def plan_skips_records(reader: PlanReader) -> bool:
     """True if the plan was made with ``--skip-bad-records`` and skipped some: the token source
     must then read bad records as empty samples, as the planner counted them."""
-    return int(reader.header.stats.get("skipped_bad_records", 0) or 0) > 0
+    return reader.header.skips_bad_records
 
 
 def open_plan_source(reader: PlanReader, paths: Paths, *,

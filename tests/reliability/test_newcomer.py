@@ -21,6 +21,8 @@ from runtime.train.cli import main as train_main
 from tests.reliability.helpers import (
     SAMPLE,
     no_traceback,
+    pool1_plan,
+    write_token_jsonl,
 )
 
 BIN = Path(sys.executable).parent
@@ -55,3 +57,22 @@ def test_the_summary_says_how_to_launch_and_the_mismatch_too(
     err = _err(capsys)
     assert "plan built for world_size=4 (dp=2, cp=2, tp=1, pp=1), got 1: launch torchrun " \
            "--nproc-per-node 4 (dp 2 x cp 2 x tp 1 x pp 1 = 4 processes" in err
+
+
+def test_validate_reads_the_plans_skip_policy(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    data = write_token_jsonl(tmp_path / "d.jsonl", bad_lines=(3, 9))
+    plan = pool1_plan(main, data, tmp_path / "p.arrow", "--skip-bad-records")
+    capsys.readouterr()
+    # No flag: the plan recorded that it skipped records (as it records --field).
+    assert main(["validate", str(plan), str(data)]) == 0
+    assert "invariants and dataset coverage checked" in capsys.readouterr().out
+    assert main(["validate", str(plan), str(data), "--skip-bad-records"]) == 0
+    capsys.readouterr()
+    # A plan made without skipping still stops at a bad line: it recorded no skip policy.
+    clean = write_token_jsonl(tmp_path / "c.jsonl")
+    plan2 = pool1_plan(main, clean, tmp_path / "p2.arrow")
+    lines = clean.read_text().splitlines()
+    clean.write_text("\n".join([lines[0], '{"input_ids": [1, 2,', *lines[1:]]) + "\n")
+    assert main(["validate", str(plan2), str(clean)]) == 2
+    assert f"{clean}:2" in _err(capsys)
