@@ -52,6 +52,7 @@ def plan_summary(header: PlanHeader, out: str | Path, phases: dict[str, float]) 
         "cp_sizes": list(header.cp_sizes),
         "layout": header.layout,
         "global_batch": dict(header.global_batch),
+        "blend_entries": _blend_entries(header.global_batch.get("blend"), files),
         "seed": header.seed,
         "kind": header.kind,
         "num_steps": int(s["num_steps"]),
@@ -82,6 +83,52 @@ def plan_summary(header: PlanHeader, out: str | Path, phases: dict[str, float]) 
     }
 
 
+def _blend_entries(blend: dict[str, Any] | None, files: list[dict[str, Any]]
+                   ) -> list[dict[str, Any]]:
+    """Per ``--data-path`` entry: its samples, and how many each epoch drew and left undrawn.
+
+    An epoch of a blend ends when its first entry runs out of samples (every step draws fixed
+    counts), so the other entries leave samples undrawn; the header records what each epoch
+    drew (``global_batch.blend.drawn_per_epoch``), so this needs no replanning.
+    """
+    if not blend:
+        return []
+    drawn = [list(map(int, d)) for d in blend.get("drawn_per_epoch", [])]
+    out = []
+    for g, (count, weight) in enumerate(zip(blend["samples_per_step"], blend["weights"],
+                                            strict=True)):
+        samples = sum(int(f["num_samples"]) for f in files if int(f.get("group", 0)) == g)
+        per_epoch = [d[g] for d in drawn]
+        out.append({"entry": g, "weight": weight, "samples_per_step": int(count),
+                    "samples": samples, "drawn_per_epoch": per_epoch,
+                    "undrawn_per_epoch": [samples - d for d in per_epoch]})
+    return out
+
+
+def _blend_lines(entries: list[dict[str, Any]]) -> list[str]:
+    """``  entry 0 418 of 1,000 samples drawn, 582 never drawn`` per entry."""
+    lines = []
+    for e in entries:
+        drawn, undrawn = e["drawn_per_epoch"], e["undrawn_per_epoch"]
+        if not drawn:
+            continue
+        if len(drawn) == 1:
+            text = f"{drawn[0]:,} of {e['samples']:,} samples drawn, " + (
+                f"{undrawn[0]:,} never drawn" if undrawn[0] else "none left out")
+        else:  # every epoch draws the same counts, from a fresh permutation
+            text = f"{drawn[0]:,} of {e['samples']:,} samples drawn per epoch, " + (
+                f"{undrawn[0]:,} left out of each (other ones each epoch)" if undrawn[0]
+                else "none left out")
+        lines.append(f"  entry {e['entry']} {text}")
+    ends = [e for e in entries if e["drawn_per_epoch"]
+            and e["undrawn_per_epoch"][0] < e["samples_per_step"]]
+    if ends and any(e["undrawn_per_epoch"][0] for e in entries if e["drawn_per_epoch"]):
+        e = ends[0]
+        lines.append(f"          (an epoch ends when entry {e['entry']} has fewer than the "
+                     f"{e['samples_per_step']} samples a step draws from it)")
+    return lines
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The human-readable summary (what ``dcp-plan`` prints) of ``plan_summary``'s dict."""
     s = summary
@@ -101,6 +148,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append("blend     per step " + ", ".join(
             f"{c} from entry {g} (weight {w:g})" for g, (c, w) in enumerate(
                 zip(blend["samples_per_step"], blend["weights"], strict=True))))
+        lines += _blend_lines(s.get("blend_entries", []))
     lines += [
         f"pool      dp {p['dp']} x cp {p['cp']} = {p['pool_size']} ranks (tp {p['tp']}, "
         f"pp {p['pp']}, vpp {p['vpp']}), cap {s['capacity_tokens_per_rank']:,} tokens/rank, "

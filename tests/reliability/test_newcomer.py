@@ -76,3 +76,30 @@ def test_validate_reads_the_plans_skip_policy(tmp_path: Path,
     clean.write_text("\n".join([lines[0], '{"input_ids": [1, 2,', *lines[1:]]) + "\n")
     assert main(["validate", str(plan2), str(clean)]) == 2
     assert f"{clean}:2" in _err(capsys)
+
+
+def test_a_blend_summary_shows_drawn_and_undrawn_samples(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Two entries of 1,000 samples, weights 0.3 / 0.7 of 64: 19 and 45 a step; entry 1 runs
+    # out after 22 steps, so entry 0 gives 22 x 19 = 418 and 582 are never drawn.
+    entries = []
+    for name in ("a", "b"):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"length": 100 + i % 50}) + "\n"
+                                for i in range(1000)))
+        entries += [path]
+    argv = ["--data-path", "0.3", str(entries[0]), "0.7", str(entries[1]), "--dp", "2",
+            "--cp", "2", "--max-tokens-per-rank", "4096", "--global-batch-size", "64", "-o",
+            str(tmp_path / "p.arrow")]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, x in enumerate(lines) if x.startswith("blend "))
+    assert lines[at + 1:at + 4] == [
+        "  entry 0 418 of 1,000 samples drawn, 582 never drawn",
+        "  entry 1 990 of 1,000 samples drawn, 10 never drawn",
+        "          (an epoch ends when entry 1 has fewer than the 45 samples a step draws from "
+        "it)"]
+    assert main([*argv, "--json", "--epochs", "2"]) == 0
+    entry0 = json.loads(capsys.readouterr().out)["blend_entries"][0]
+    assert (entry0["samples"], entry0["drawn_per_epoch"], entry0["undrawn_per_epoch"]) == (
+        1000, [418, 418], [582, 582])
