@@ -161,7 +161,7 @@ def _plan_parser() -> argparse.ArgumentParser:
                      "eval step (not with --drop-last, --epochs or --seed)")
     sol = p.add_argument_group("groups and solver")
     sol.add_argument("--layout", choices=LAYOUTS, default="zigzag", help="CP sharding layout")
-    sol.add_argument("--pad-to-multiple", type=int, default=1, metavar="N",
+    sol.add_argument("--pad-to-multiple", type=positive_int, default=1, metavar="N",
                      help="also pad every sequence to a multiple of N (e.g. 16 for FP8 GEMMs); "
                      "the padding counts in --max-tokens-per-rank (1: only the CP/SP rule)")
     sol.add_argument("--cp-sizes", type=int_list, default=(), metavar="LIST",
@@ -277,6 +277,7 @@ def cmd_validate(argv: list[str]) -> int:
     p = ArgumentParser(prog=f"{PROG} validate", formatter_class=HelpFormatter,
                                 description="Check every invariant of a plan file; with its "
                                 "dataset, also coverage to the last token and the fingerprints.")
+    add_version(p)
     p.add_argument("plan", help="plan file (.arrow)")
     _add_dataset_arguments(p, required=False)
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")

@@ -206,7 +206,9 @@ def int_list(text: str) -> tuple[int, ...]:
 
 def step_range(text: str) -> tuple[int | None, int | None]:
     """argparse ``type``: a Python slice of steps, ``A:B``, ``A:``, ``:B`` (steps A..B-1;
-    negative counts from the end: ``-3:`` is the last three), or ``A`` (that step only).
+    negative counts from the end: ``-3:`` is the last three). A bare number is refused: ``-3``
+    reads as "the last three" and as "step -3", ``3`` as "the first three" (``dcp-train --steps
+    3``) and as "step 3"; the message gives the spellings of each.
 
     Returns (start, stop) as given (None where omitted); ``resolve_steps`` applies them to a
     plan's step count.
@@ -222,7 +224,14 @@ def step_range(text: str) -> tuple[int | None, int | None]:
     if not colon:
         if lo is None:
             raise argparse.ArgumentTypeError(f"expected a step range A:B, got {text!r}")
-        hi = lo + 1 if lo != -1 else None
+        # A bare number reads two ways ('-3': the last three, or step -3 alone; '3': the first
+        # three, as dcp-train --steps 3 counts, or step 3), so it is refused with both spellings.
+        alone = f"'{lo}:{lo + 1 if lo != -1 else ''}' is step {lo} alone"
+        other = (f"'{lo}:' the last {-lo}" if lo < 0 else
+                 f"':{lo}' the first {lo}, '{lo}:' from step {lo}")
+        raise argparse.ArgumentTypeError(
+            f"expected a step range A:B, got {text!r}, a bare number: {other}; {alone} "
+            "(--step I prints one step's rows)")
     return lo, hi
 
 

@@ -28,6 +28,7 @@ from planner.cliargs import (
     int_list,
     nonnegative_int,
     positive_int,
+    seed_int,
 )
 from planner.cliflags import FLAGS
 from planner.config import EFFORTS, LONG_SEQUENCE_POLICIES
@@ -81,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="a sample longer than the whole pool holds: error (that setup is "
                    "refused), split, truncate, drop")
     p.add_argument("--effort", choices=EFFORTS, default="balanced", help="solver effort")
-    p.add_argument("--seed", type=int, default=0, help="seed of the permutation")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the permutation")
     p.add_argument("--sample-steps", type=nonnegative_int, default=DEFAULT_SAMPLE, metavar="K",
                    help="plan at most K steps per setup, drawn by a seeded permutation (the "
                    "same for every setup) when a setup has more; 0 plans every step")

@@ -11,6 +11,7 @@ import json
 from planner.cliargs import (
     ArgumentParser,
     HelpFormatter,
+    add_version,
     glue_negative_values,
     resolve_steps,
     step_bounds,
@@ -23,10 +24,12 @@ PROG = "dcp-plan"
 def cmd_show(argv: list[str]) -> int:
     p = ArgumentParser(prog=f"{PROG} show", formatter_class=HelpFormatter,
                                 description="Per-step table of a plan (or one step's rows).")
+    add_version(p)
     p.add_argument("plan", help="plan file (.arrow)")
     p.add_argument("--steps", type=step_range, default=None, metavar="A:B",
-                   help="steps A..B-1, a Python slice: '-3:' is the last three, '5:' from step 5 "
-                   "(default: the first 50)")
+                   help="steps A..B-1, a Python slice: '-3:' is the last three, '5:' from step "
+                   "5, ':3' the first three, '7:8' step 7 alone (a bare number is refused: "
+                   "'-3' could be either) (default: the first 50)")
     p.add_argument("--step", type=int, metavar="I",
                    help="print every row of this one step (-1: the last)")
     p.add_argument("--json", action="store_true", help="one JSON object per step (JSON lines)")

@@ -141,10 +141,10 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--eval-dataset", default="", help="the dataset the eval plan was made for")
     ev.add_argument("--eval-field", default=None, metavar="NAME",
                     help="as --field, for the eval dataset (default: the eval plan's field)")
-    ev.add_argument("--eval-interval", type=int, default=0, metavar="K",
+    ev.add_argument("--eval-interval", type=nonnegative_int, default=0, metavar="K",
                     help="evaluate after every K training steps and after the last "
                     "(0: only after the last)")
-    ev.add_argument("--eval-steps", type=int, default=0, metavar="M",
+    ev.add_argument("--eval-steps", type=nonnegative_int, default=0, metavar="M",
                     help="evaluate only the eval plan's first M steps (0: all of it)")
     p.add_argument("--skip-nonfinite-steps", action="store_true",
                    help="skip the update of a step whose loss or gradients are NaN/inf "

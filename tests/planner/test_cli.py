@@ -206,8 +206,10 @@ def test_pad_to_multiple_below_one_is_a_clear_error(tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     data = tmp_path / "lengths.txt"
     data.write_text("10\n")
-    assert main([str(data), "--dp", "1", "--cp", "1", "--max-tokens-per-rank", "64",
-                 "--global-batch-size", "1", "--pad-to-multiple", "0",
-                 "-o", str(tmp_path / "x")]) == 2
-    assert "pad to multiple must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main([str(data), "--dp", "1", "--cp", "1", "--max-tokens-per-rank", "64",
+              "--global-batch-size", "1", "--pad-to-multiple", "0", "-o", str(tmp_path / "x")])
+    assert e.value.code == 2
+    assert "argument --pad-to-multiple: expected a positive integer, got 0" in \
+        capsys.readouterr().err
     assert not (tmp_path / "x").exists()

@@ -229,7 +229,8 @@ def _shown_steps(out: str) -> list[int]:
 
 def test_show_steps_are_python_slices(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--steps=-3:`` was refused (an ``IndexError`` traceback before that); it is the last
-    three steps, as Python slices a list. Other malformed values still get a clear message."""
+    three steps, as Python slices a list. Other malformed values still get a clear message (a
+    bare number too: test_newcomer.py)."""
     plan = tmp_path / "p.arrow"
     assert main([str(SAMPLE), "-o", str(plan), "--dp", "4", "--cp", "2",
                  "--max-tokens-per-rank", "4096", "--global-batch-size", "64", "--quiet"]) == 0
@@ -237,8 +238,8 @@ def test_show_steps_are_python_slices(tmp_path: Path, capsys: pytest.CaptureFixt
     n = 32  # 2000 samples / 64 a step
     every = list(range(n))
     for given, want in [("-3:", every[-3:]), ("5:8", every[5:8]), (":2", every[:2]),
-                        ("-5:-2", every[-5:-2]), ("30:99", every[30:99]), ("-1", [n - 1]),
-                        ("-2", [n - 2]), ("7", [7]), ("-99:2", every[-99:2])]:
+                        ("-5:-2", every[-5:-2]), ("30:99", every[30:99]), ("-1:", [n - 1]),
+                        ("-2:-1", [n - 2]), ("7:8", [7]), ("-99:2", every[-99:2])]:
         for argv in (["--steps=" + given], ["--steps", given]):
             assert main(["show", str(plan), *argv, "--json"]) == 0, given
             assert _shown_steps(capsys.readouterr().out) == want, given

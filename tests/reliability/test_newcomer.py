@@ -19,6 +19,7 @@ import pytest
 from planner.cli import main
 from runtime.train.cli import main as train_main
 from tests.reliability.helpers import (
+    ROOT,
     SAMPLE,
     no_traceback,
     pool1_plan,
@@ -103,3 +104,61 @@ def test_a_blend_summary_shows_drawn_and_undrawn_samples(
     entry0 = json.loads(capsys.readouterr().out)["blend_entries"][0]
     assert (entry0["samples"], entry0["drawn_per_epoch"], entry0["undrawn_per_epoch"]) == (
         1000, [418, 418], [582, 582])
+
+
+@pytest.mark.parametrize("command", ["validate", "show", "compare", "report"])
+def test_every_subcommand_prints_its_version_alone(command: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main([command, "--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith(f"dcp-plan {command} 0.")
+
+
+def test_show_refuses_a_bare_step_number(tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """``show --steps -3`` showed step 29 alone where the README promised the last three (and
+    ``--steps 3`` is step 3 while ``dcp-train --steps 3`` trains three): a bare number is refused
+    with each spelling."""
+    plan = tmp_path / "p.arrow"
+    assert main([str(SAMPLE), "-o", str(plan), "--dp", "4", "--cp", "2",
+                 "--max-tokens-per-rank", "4096", "--global-batch-size", "64", "--quiet"]) == 0
+    capsys.readouterr()
+    for bare, words in (("-3", "'-3:' the last 3; '-3:-2' is step -3 alone"),
+                        ("3", "':3' the first 3, '3:' from step 3; '3:4' is step 3 alone"),
+                        ("-1", "'-1:' the last 1; '-1:' is step -1 alone")):
+        with pytest.raises(SystemExit) as e:
+            main(["show", str(plan), "--steps", bare, "--json"])
+        assert e.value.code == 2
+        out = capsys.readouterr()
+        assert out.out == ""
+        assert no_traceback(out.err)
+        assert f"argument --steps: expected a step range A:B, got '{bare}', a bare number: " \
+               f"{words} (--step I prints one step's rows)" in out.err, out.err
+    assert main(["show", str(plan), "--steps", "-3:", "--json"]) == 0
+    out = capsys.readouterr()
+    assert [json.loads(x)["step"] for x in out.out.splitlines()] == [29, 30, 31]
+    assert out.err == ""
+    # The README's comment says so too (it said "-3: the last 3").
+    readme = (ROOT / "README.md").read_text()
+    assert "--steps 0:10            # per-step table ('-3:' is the last 3)" in readme
+
+
+def test_counts_are_refused_when_negative(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    plan = tmp_path / "p.arrow"
+    for argv, flag in ((["--steps", "-3"], "--steps/--train-iters"),
+                       (["--eval-steps", "-1"], "--eval-steps"),
+                       (["--eval-interval", "-2"], "--eval-interval"),
+                       (["--save-every", "-1"], "--save-every/--save-interval")):
+        with pytest.raises(SystemExit) as e:
+            train_main(["--plan", str(plan), *argv])
+        assert e.value.code == 2
+        assert f"argument {flag}: expected an integer >= 0, got -" in _err(capsys)
+    for argv, flag in ((["--pad-to-multiple", "-1"], "--pad-to-multiple"),
+                       (["--epochs", "-1"], "--epochs")):
+        with pytest.raises(SystemExit) as e:
+            main([str(SAMPLE), "--dp", "2", "--max-tokens-per-rank", "4096",
+                  "--global-batch-size", "32", "-o", str(plan), *argv])
+        assert e.value.code == 2
+        assert f"argument {flag}: expected a positive integer, got -1" in _err(capsys)

@@ -181,7 +181,8 @@ def test_reference_cli_evaluates_and_refuses_another_layout(
 @pytest.mark.parametrize(("flags", "message"), [
     (["--eval-interval", "2"], "need --eval-plan"),
     (["--eval-plan", "e.arrow"], "--eval-plan needs --eval-dataset"),
-    (["--eval-plan", "e.arrow", "--eval-dataset", "d", "--eval-steps", "-1"], "must be >= 0"),
+    (["--eval-plan", "e.arrow", "--eval-dataset", "d", "--eval-steps", "-1"],
+     "argument --eval-steps: expected an integer >= 0, got -1"),
 ])
 def test_eval_flags_are_checked(capsys: pytest.CaptureFixture[str], flags: list[str],
                                 message: str) -> None:
