@@ -150,6 +150,10 @@ def load_cost_model(name_or_path: str = "default") -> CostModel:
         if not path.is_file():
             names = sorted(p.stem for p in PRESET_DIR.glob("*.json"))
             raise ValueError(f"unknown cost model {name_or_path!r} (presets: {', '.join(names)})")
+    if not path.exists():
+        names = sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+        raise ValueError(f"{path}: no such cost model file (a JSON file, e.g. from "
+                         f"dcp-calibrate, or a preset name: {', '.join(names)})")
     check_input(path, "a cost model")  # a FIFO would block the read
     try:
         d = json.loads(path.read_text())

@@ -71,7 +71,14 @@ def open_plan_source(reader: PlanReader, paths: Paths, *,
         source = open_token_source(paths, skip_bad_records=plan_skips_records(reader),
                                    field=replay_field(recorded, field))
     except ValueError as e:
-        raise ValueError(field_hint(str(e), recorded, field, str(reader.path))) from None
+        message = str(e)
+        if message.endswith(": no such file"):
+            listed = [str(f["path"]) for f in reader.header.dataset.files] or [
+                reader.header.dataset.path]
+            flag = "--eval-dataset" if reader.header.kind == "eval" else "--dataset"
+            message += (f"; {reader.path} was made from {', '.join(listed)}: give that "
+                        f"dataset with {flag}")
+        raise ValueError(field_hint(message, recorded, field, str(reader.path))) from None
     try:
         try:
             check_plan_source(reader, source)

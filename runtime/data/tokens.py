@@ -165,6 +165,9 @@ class ConcatTokens:
 def _open_one(p: Path, *, skip_bad_records: bool = False, field: str | None = None,
               **kwargs: object) -> TokenSource:
     suffix = p.suffix.lower()
+    if not os.path.lexists(p) and not (suffix in (".bin", ".idx") and p.with_suffix(
+            ".idx").is_file()) and not Path(f"{p}.idx").is_file():
+        raise ValueError(f"{p}: no such file")
     if is_compressed(p):
         return decode_compressed_jsonl(p, skip_bad_records=skip_bad_records, field=field)
     if suffix in (".jsonl", ".json"):

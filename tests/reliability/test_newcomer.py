@@ -21,6 +21,7 @@ from runtime.train.cli import main as train_main
 from tests.reliability.helpers import (
     ROOT,
     SAMPLE,
+    TRAIN_FLAGS,
     no_traceback,
     pool1_plan,
     write_token_jsonl,
@@ -104,6 +105,39 @@ def test_a_blend_summary_shows_drawn_and_undrawn_samples(
     entry0 = json.loads(capsys.readouterr().out)["blend_entries"][0]
     assert (entry0["samples"], entry0["drawn_per_epoch"], entry0["undrawn_per_epoch"]) == (
         1000, [418, 418], [582, 582])
+
+
+def test_a_missing_dataset_is_named_not_an_errno(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    data = write_token_jsonl(tmp_path / "d.jsonl")
+    plan = pool1_plan(main, data, tmp_path / "p.arrow")
+    capsys.readouterr()
+    for extra in ([], ["--reference"]):
+        assert train_main(["--plan", str(plan), "--dataset", str(tmp_path / "nope.jsonl"),
+                           *TRAIN_FLAGS, *extra]) == 2
+        err = _err(capsys)
+        assert "Errno" not in err
+        assert f"dcp-train: error: {tmp_path}/nope.jsonl: no such file; {plan} was made from " \
+               f"{data}: give that dataset with --dataset" in err
+    # An eval plan's dataset names its own flag.
+    eval_plan = tmp_path / "e.arrow"
+    assert main([str(data), "--eval", "-o", str(eval_plan), "--dp", "1",
+                 "--max-tokens-per-rank", "256", "--global-batch-size", "6", "--quiet"]) == 0
+    assert train_main(["--plan", str(plan), "--dataset", str(data), *TRAIN_FLAGS,
+                       "--eval-plan", str(eval_plan), "--eval-dataset",
+                       str(tmp_path / "gone.jsonl")]) == 2
+    assert f"{tmp_path}/gone.jsonl: no such file; {eval_plan} was made from {data}: give that " \
+           "dataset with --eval-dataset" in _err(capsys)
+    # A cost model file that is not there (a preset is a name without a suffix).
+    assert main([str(data), "--dp", "1", "--max-tokens-per-rank", "256", "--global-batch-size",
+                 "6", "-o", str(tmp_path / "c.arrow"), "--cost-model", "cm.json"]) == 2
+    assert "cm.json: no such cost model file (a JSON file, e.g. from dcp-calibrate, or a " \
+           "preset name: dense-7b-h200, " in _err(capsys)
+    assert not (tmp_path / "c.arrow").exists()
+    # The plan's own files (the default dataset) moved away: the same message.
+    data.rename(tmp_path / "moved.jsonl")
+    assert train_main(["--plan", str(plan), *TRAIN_FLAGS]) == 2
+    assert f"{data}: no such file" in _err(capsys)
 
 
 @pytest.mark.parametrize("command", ["validate", "show", "compare", "report"])
