@@ -12,8 +12,9 @@ name hands the parsed configs to that adapter's ``launch``.
 or the resumed step), so a resumed run with the same ``--steps`` ends where the uninterrupted
 one does. One JSON line per step (rank 0): step, loss, tokens (real tokens of the step), loss
 tokens, microbatches, seconds, tokens_per_s. With ``--eval-plan``, after every
-``--eval-interval`` steps and after the last: one line eval_at_step, eval_loss, eval_tokens,
-eval_microbatches, seconds (``runtime.train.evaluate``).
+``--eval-interval`` steps and after the last, right after that step's line: one line
+after_step (the 0-based step it follows), eval_loss, eval_tokens, eval_microbatches, seconds
+(``runtime.train.evaluate``).
 """
 
 from __future__ import annotations

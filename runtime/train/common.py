@@ -170,19 +170,24 @@ class StepLog:
 
 @dataclass(frozen=True, slots=True)
 class EvalLog:
-    """One evaluation's record (one JSON line), written by rank 0 after training step
-    ``eval_at_step - 1``: the per-token loss over the pool, the loss tokens it averaged and the
-    microbatches each rank ran."""
+    """One evaluation's record (one JSON line), written by rank 0 right after the line of
+    training step ``after_step``: the per-token loss over the pool, the loss tokens it averaged
+    and the microbatches each rank ran.
 
-    eval_at_step: int
-    """Training steps completed when the evaluation ran (the next step's index)."""
+    ``after_step`` is 0-based like ``StepLog.step`` (the final evaluation of a 3-step run
+    follows step 2). It replaced ``eval_at_step`` (the count of completed steps, one more):
+    the two read alike beside ``"step"`` and disagreed by one, so the old key is not kept.
+    """
+
+    after_step: int
+    """The 0-based training step this evaluation follows."""
     eval_loss: float
     eval_tokens: int
     eval_microbatches: int
     seconds: float
 
     def to_json(self) -> str:
-        return json.dumps({"eval_at_step": self.eval_at_step, "eval_loss": self.eval_loss,
+        return json.dumps({"after_step": self.after_step, "eval_loss": self.eval_loss,
                            "eval_tokens": self.eval_tokens,
                            "eval_microbatches": self.eval_microbatches,
                            "seconds": round(self.seconds, 6)})

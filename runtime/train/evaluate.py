@@ -3,7 +3,7 @@
 ``Evaluator`` opens the eval plan and its dataset once, checks the plan against the training
 plan's layout (``runtime.data.evaluation.check_eval_layout``: pool, tp and pp must match; the
 message names both plans) and replays it through an ``EvalSchedule`` on the *training* job's
-``GroupCatalog``. ``run(model, at_step)``:
+``GroupCatalog``. ``run(model, after_step)``:
 
 1. the model in eval mode, ``torch.no_grad`` (no graph, no gradient touched);
 2. per microbatch of the pass: forward with the attention bound to the microbatch's CP group,
@@ -87,8 +87,9 @@ class Evaluator:
         return (f"{self.cfg.eval_dataset}: eval step {item.step} microbatch {item.index} "
                 f"(samples {samples})")
 
-    def run(self, model: GPT, at_step: int) -> EvalLog:
-        """One pass of the eval plan (its first ``eval_steps`` steps) after ``at_step`` steps."""
+    def run(self, model: GPT, after_step: int) -> EvalLog:
+        """One pass of the eval plan (its first ``eval_steps`` steps) after training step
+        ``after_step`` (0-based)."""
         t0 = time.perf_counter()
         device = self.device
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -121,7 +122,7 @@ class Evaluator:
         if self.pool_group is not None:  # None: a pool of one rank
             dist.all_reduce(totals, group=self.pool_group)
         global_sum, global_count = totals.tolist()
-        return EvalLog(eval_at_step=at_step, eval_loss=global_sum / max(global_count, 1.0),
+        return EvalLog(after_step=after_step, eval_loss=global_sum / max(global_count, 1.0),
                        eval_tokens=int(global_count), eval_microbatches=microbatches,
                        seconds=time.perf_counter() - t0)
 

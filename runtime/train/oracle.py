@@ -147,10 +147,11 @@ def reference_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rea
 
 
 def reference_eval(model: torch.nn.Module, reader: PlanReader, source: TokenSource,
-                   cfg: TrainConfig, at_step: int, vocab_size: int, device: torch.device,
+                   cfg: TrainConfig, after_step: int, vocab_size: int, device: torch.device,
                    logits_of: SegmentLogits) -> EvalLog:
-    """The oracle's evaluation, every framework's: the eval plan's first ``cfg.eval_steps``
-    steps (0: all), every segment alone, no gradients; loss = sum over loss tokens / count."""
+    """The oracle's evaluation, every framework's, after training step ``after_step``
+    (0-based): the eval plan's first ``cfg.eval_steps`` steps (0: all), every segment alone, no
+    gradients; loss = sum over loss tokens / count."""
     t0 = time.perf_counter()
     num_steps = min(cfg.eval_steps, reader.num_steps) if cfg.eval_steps else reader.num_steps
     total, count = 0.0, 0.0
@@ -165,7 +166,7 @@ def reference_eval(model: torch.nn.Module, reader: PlanReader, source: TokenSour
                     count += float(mask.sum())
     finally:
         model.train(was_training)
-    return EvalLog(eval_at_step=at_step, eval_loss=total / max(count, 1.0),
+    return EvalLog(after_step=after_step, eval_loss=total / max(count, 1.0),
                    eval_tokens=int(count), eval_microbatches=0,
                    seconds=time.perf_counter() - t0)
 
@@ -180,9 +181,10 @@ def _native_logits(model: GPT, cfg: TrainConfig, device: torch.device) -> Segmen
 
 
 def evaluate_reference(model: GPT, reader: PlanReader, source: TokenSource, cfg: TrainConfig,
-                       at_step: int, device: torch.device) -> EvalLog:
+                       after_step: int, device: torch.device) -> EvalLog:
     """The native oracle's evaluation (``reference_eval`` with the native GPT)."""
-    return reference_eval(model, reader, source, cfg, at_step, model.config.vocab_size, device,
+    return reference_eval(model, reader, source, cfg, after_step, model.config.vocab_size,
+                          device,
                           _native_logits(model, cfg, device))
 
 
@@ -225,7 +227,7 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
             logger.write(log)
             if eval_reader is not None and eval_source is not None \
                     and should_evaluate(cfg, step, steps[-1]):
-                ev = evaluate_reference(model, eval_reader, eval_source, cfg, step + 1, device)
+                ev = evaluate_reference(model, eval_reader, eval_source, cfg, step, device)
                 result.evals.append(ev)
                 logger.write(ev)
             if cfg.save and (step == steps[-1] or (cfg.save_every

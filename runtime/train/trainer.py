@@ -34,8 +34,8 @@ tokens, microbatches, seconds, tokens_per_s.
 
 ``--eval-plan P --eval-dataset D --eval-interval K [--eval-steps M]``: after every K-th step
 and after the last, ``runtime.train.evaluate.Evaluator`` runs the eval plan (its first M steps)
-forward only on the same groups and rank 0 writes one more line: eval_at_step (steps done),
-eval_loss, eval_tokens, eval_microbatches, seconds.
+forward only on the same groups and rank 0 writes one more line after that step's: after_step
+(the 0-based step it follows), eval_loss, eval_tokens, eval_microbatches, seconds.
 """
 
 from __future__ import annotations
@@ -216,11 +216,12 @@ class Trainer:
             h.wait()
         torch._foreach_div_(grads, global_count)
 
-    def evaluate(self, at_step: int) -> EvalLog:
-        """Run the eval plan forward only (collective over the pool); return its record."""
+    def evaluate(self, after_step: int) -> EvalLog:
+        """Run the eval plan forward only after training step ``after_step`` (0-based;
+        collective over the pool); return its record."""
         if self.evaluator is None:
             raise ValueError("no eval plan: pass --eval-plan and --eval-dataset")
-        return self.evaluator.run(self.model, at_step)
+        return self.evaluator.run(self.model, after_step)
 
     def close(self) -> None:
         """Close the plan and dataset this trainer opened itself."""
@@ -244,7 +245,7 @@ class Trainer:
                 result.logs.append(log)
                 logger.write(log)
                 if self.evaluator is not None and should_evaluate(cfg, step, steps[-1]):
-                    ev = self.evaluate(step + 1)
+                    ev = self.evaluate(step)
                     result.evals.append(ev)
                     logger.write(ev)
                 last = step == steps[-1]

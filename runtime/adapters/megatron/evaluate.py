@@ -104,7 +104,7 @@ class MegatronEvaluator:
             for c, mode in zip(chunks, modes, strict=True):
                 c.train(mode)
         loss_sum, count = step_loss(reports)
-        return EvalLog(eval_at_step=at_step, eval_loss=loss_sum / max(count, 1.0),
+        return EvalLog(after_step=at_step - 1, eval_loss=loss_sum / max(count, 1.0),
                        eval_tokens=int(count), eval_microbatches=self.schedule.num_microbatches,
                        seconds=time.perf_counter() - t0)
 

@@ -98,7 +98,7 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
                 if eval_reader is not None and eval_source is not None \
                         and should_evaluate(cfg, step, steps[-1]):
                     result.evals.append(reference_eval(model, eval_reader, eval_source, cfg,
-                                                       step + 1, vocab, device, logits_of))
+                                                       step, vocab, device, logits_of))
                     logger.write(result.evals[-1])
         finally:
             logger.close()

@@ -74,7 +74,7 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig) -> TrainResult:
             result.logs.append(log)
             logger.write(log)
             if evaluation is not None and should_evaluate(cfg, step, stop - 1):
-                ev = reference_eval(model, *evaluation, cfg, step + 1, vocab, device, logits_of)
+                ev = reference_eval(model, *evaluation, cfg, step, vocab, device, logits_of)
                 result.evals.append(ev)
                 logger.write(ev)
     finally:

@@ -123,7 +123,8 @@ class PlanValidator(Validator):
         loss_sum_all, count = totals.tolist()
         loss = loss_sum_all / max(count, 1.0)
         self.metrics_processor.log_validation(loss=loss, step=step)
-        log = EvalLog(eval_at_step=step, eval_loss=loss, eval_tokens=int(count),
+        # torchtitan counts steps from 1 (its ``step`` is the steps done); ours are 0-based.
+        log = EvalLog(after_step=step - 1, eval_loss=loss, eval_tokens=int(count),
                       eval_microbatches=microbatches, seconds=time.perf_counter() - t0)
         self.logs.append(log)
         self.write(log)

@@ -101,16 +101,16 @@ def test_eval_losses_equal_the_reference(world: tuple[Path, list[dict[str, Train
     tmp, results = world
     cfg = _variants(tmp)[name]
     ref = train_reference(replace(cfg, log_jsonl=""), MODEL)
-    want_at = [2, 3] if name == "eval" else [3]
-    assert [e.eval_at_step for e in ref.evals] == want_at
+    want_at = [1, 2] if name == "eval" else [2]  # 0-based: the 3-step run's last step is 2
+    assert [e.after_step for e in ref.evals] == want_at
     for rank, res in enumerate(results):
         got = res[name].evals
-        assert [e.eval_at_step for e in got] == want_at, rank
+        assert [e.after_step for e in got] == want_at, rank
         for g, w in zip(got, ref.evals, strict=True):
             assert g.eval_tokens == w.eval_tokens > 0
             assert abs(g.eval_loss - w.eval_loss) <= TOL * abs(w.eval_loss), (g, w)
             assert g.eval_microbatches == _eval_microbatches(cfg.eval_plan, cfg.eval_steps)
-    # The evaluations differ between steps 2 and 3 (the model trained in between).
+    # The evaluations after steps 1 and 2 differ (the model trained in between).
     if name == "eval":
         assert ref.evals[0].eval_loss != ref.evals[1].eval_loss
 
@@ -139,8 +139,8 @@ def test_save_and_resume_across_an_evaluation(
         assert [g.step for g in first.logs] == [0, 1]
         assert [g.step for g in second.logs] == [2]
         assert [g.loss for g in first.logs + second.logs] == [w.loss for w in whole.logs]
-        assert [e.eval_at_step for e in first.evals] == [2]
-        assert [e.eval_at_step for e in second.evals] == [3]
+        assert [e.after_step for e in first.evals] == [1]
+        assert [e.after_step for e in second.evals] == [2]
         pairs = zip(first.evals + second.evals, whole.evals, strict=True)
         for g, w in pairs:
             assert (g.eval_loss, g.eval_tokens, g.eval_microbatches) == (
@@ -151,9 +151,13 @@ def test_rank_0_writes_one_json_line_per_evaluation(
         world: tuple[Path, list[dict[str, TrainResult]]]) -> None:
     tmp, results = world
     lines = [json.loads(x) for x in (tmp / "eval.jsonl").read_text().splitlines()]
-    assert [x.get("step", x.get("eval_at_step")) for x in lines] == [0, 1, 2, 2, 3]
-    evals = [x for x in lines if "eval_at_step" in x]
-    assert [set(x) for x in evals] == [{"eval_at_step", "eval_loss", "eval_tokens",
+    # Each evaluation right after the line of the 0-based step it follows; the final one
+    # after step 2 of the 3-step run.
+    assert [("step", x["step"]) if "step" in x else ("after_step", x["after_step"])
+            for x in lines] == [("step", 0), ("step", 1), ("after_step", 1), ("step", 2),
+                                ("after_step", 2)]
+    evals = [x for x in lines if "after_step" in x]
+    assert [set(x) for x in evals] == [{"after_step", "eval_loss", "eval_tokens",
                                         "eval_microbatches", "seconds"}] * 2
     assert [x["eval_loss"] for x in evals] == [e.eval_loss for e in results[0]["eval"].evals]
     assert STEPS == 3
@@ -169,7 +173,8 @@ def test_reference_cli_evaluates_and_refuses_another_layout(
               "--hidden-size", "32", "--steps", "2", "--eval-dataset", str(eval_data)]
     assert main([*common, "--eval-plan", str(good), "--eval-interval", "1"]) == 0
     out = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
-    assert [x["eval_at_step"] for x in out if "eval_at_step" in x] == [1, 2]
+    assert [(x.get("step"), x.get("after_step")) for x in out] == [
+        (0, None), (None, 0), (1, None), (None, 1)]
     assert main([*common, "--eval-plan", str(pool8)]) == 2
     err = capsys.readouterr().err
     assert f"{pool8} is built for pool 8 (dp 4 x cp 2), tp 1, pp 1, the training job " \

@@ -62,11 +62,11 @@ def _check(config: TrainConfig, world: int, model: GPTConfig = MODEL) -> list[di
     assert_same_grads(unshard(ranks, "grads"), ref.grads)
     assert_same_params(unshard(ranks), ref.state)
     if config.eval_plan:  # evaluations through the forward-only schedule, on every rank
-        want_at = [k for k in range(1, STEPS + 1)
+        want_at = [k - 1 for k in range(1, STEPS + 1)
                    if k == STEPS or (config.eval_interval and k % config.eval_interval == 0)]
-        assert [e.eval_at_step for e in ref.evals] == want_at
+        assert [e.after_step for e in ref.evals] == want_at
         for r in ranks:
-            assert [e.eval_at_step for e in r["evals"]] == want_at
+            assert [e.after_step for e in r["evals"]] == want_at
             for g, w in zip(r["evals"], ref.evals, strict=True):
                 assert g.eval_tokens == w.eval_tokens > 0
                 assert g.eval_microbatches > 0

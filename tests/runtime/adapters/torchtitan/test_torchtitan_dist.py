@@ -145,8 +145,8 @@ def test_evaluation_through_the_validation_hook_matches_oracle(
     from runtime.data.plan_reader import PlanReader
 
     got = world[1]["full"]["evals"]
-    assert [e.eval_at_step for e in reference.evals] == [2, 3]
-    assert [e.eval_at_step for e in got] == [2, 3]
+    assert [e.after_step for e in reference.evals] == [1, 2]  # 0-based steps
+    assert [e.after_step for e in got] == [1, 2]
     with PlanReader(world[0] / "eval-zigzag.arrow") as reader:
         assert {int(k) for i in range(reader.num_steps) for k in reader.step(i).group_cp_size
                 } == {1, 2, 4}
@@ -162,7 +162,9 @@ def test_rank0_writes_one_json_line_per_step_and_evaluation(
         world: tuple[Path, dict[str, Any]]) -> None:
     every = [json.loads(x) for x in (world[0] / "full.jsonl").read_text().splitlines()]
     lines = [x for x in every if "step" in x]
-    assert [x.get("eval_at_step") for x in every if "step" not in x] == [2, 3]
+    # Each evaluation right after the line of the step it follows (0-based, as "step").
+    assert [x["step"] if "step" in x else f"after {x['after_step']}" for x in every] == [
+        0, 1, "after 1", 2, "after 2"]
     assert [x["step"] for x in lines] == list(range(STEPS))
     assert {"step", "loss", "tokens", "loss_tokens", "microbatches", "seconds",
             "tokens_per_s"} <= lines[0].keys()
