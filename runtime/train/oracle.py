@@ -42,7 +42,12 @@ from runtime.train.common import (
 )
 from runtime.train.guards import nonfinite_ok
 from runtime.train.model import GPT, GPTConfig, check_token_ids, sequence_attention
-from runtime.train.preflight import check_resume_step, require_training_plan, run_inputs
+from runtime.train.preflight import (
+    announce_resume,
+    check_resume_step,
+    require_training_plan,
+    run_inputs,
+)
 
 
 def sequences_of_step(reader: PlanReader, source: TokenSource, step: int, vocab_size: int = 0
@@ -209,7 +214,8 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
     if cfg.resume:
         start = checkpoint.load(cfg.resume, model=model, optimizer=optimizer, rank=0,
                                 expect_meta=meta).next_step
-        check_resume_step(cfg, start, reader.num_steps)
+        if check_resume_step(cfg, start, reader.num_steps):
+            announce_resume(checkpoint.resolve(cfg.resume), start)
     if cfg.save:
         stop = step_range(cfg, start, reader.num_steps).stop
         checkpoint.check_save_target(cfg.save, 0, writes=checkpoint.native_saves(

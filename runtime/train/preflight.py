@@ -1,5 +1,6 @@
 """What every engine checks before its first step (native, its oracle, Megatron, torchtitan):
-the run's outputs are safe to write, its plan is a training plan, a resumed run has steps left.
+the run's outputs are safe to write, its plan is a training plan, a resumed run has steps left
+(and says where it continues from: ``announce_resume``).
 
 ``check_outputs`` runs in ``dcp-train`` before the process group exists (every rank alike); the
 ``--save`` entries are ``checkpoint.check_save_target``'s, once the first step is known.
@@ -7,6 +8,7 @@ the run's outputs are safe to write, its plan is a training plan, a resumed run 
 
 from __future__ import annotations
 
+import os
 import sys
 
 from planner.fileguard import check_directory, check_output
@@ -54,6 +56,15 @@ def require_training_plan(kind: str, path: str) -> None:
         raise ValueError(f"{path}: is an evaluation plan (dcp-plan --eval, kind {kind!r}), not "
                          "a training plan; train with a plan made without --eval and give this "
                          "one as --eval-plan")
+
+
+def announce_resume(checkpoint: str | os.PathLike[str], step: int) -> None:
+    """The one line a resumed run prints (rank 0, stderr): which checkpoint, which step next.
+
+    Every engine words it alike: ``dcp-train: resuming from ckpt/step-00000002 at step 2``.
+    """
+    print(f"dcp-train: resuming from {os.fspath(checkpoint)} at step {step}", file=sys.stderr,
+          flush=True)
 
 
 def check_resume_step(cfg: TrainConfig, start: int, num_steps: int, *,

@@ -77,7 +77,12 @@ from runtime.train.evaluate import Evaluator
 from runtime.train.guards import nonfinite_ok
 from runtime.train.loss import per_token_loss
 from runtime.train.model import GPTConfig, check_token_ids
-from runtime.train.preflight import check_resume_step, require_training_plan, run_inputs
+from runtime.train.preflight import (
+    announce_resume,
+    check_resume_step,
+    require_training_plan,
+    run_inputs,
+)
 
 
 class Trainer:
@@ -142,7 +147,9 @@ class Trainer:
                                       rank=self.rank,
                                       expect_meta=checkpoint_meta(model_config, self.reader))
             self.start = resumed.next_step
-            check_resume_step(cfg, self.start, self.reader.num_steps, notice=self.rank == 0)
+            if check_resume_step(cfg, self.start, self.reader.num_steps,
+                                 notice=self.rank == 0) and self.rank == 0:
+                announce_resume(checkpoint.resolve(cfg.resume), self.start)
         if cfg.save:
             # Before the first step: a save that would fail, or replace what is not ours.
             stop = step_range(cfg, self.start, self.reader.num_steps).stop

@@ -107,6 +107,27 @@ def test_a_blend_summary_shows_drawn_and_undrawn_samples(
         1000, [418, 418], [582, 582])
 
 
+def test_resume_says_from_which_checkpoint_and_step(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    data = write_token_jsonl(tmp_path / "d.jsonl")
+    plan = pool1_plan(main, data, tmp_path / "p.arrow")
+    ckpt = tmp_path / "ckpt"
+    base = ["--plan", str(plan), "--dataset", str(data), *TRAIN_FLAGS, "--save", str(ckpt)]
+    for reference in ([], ["--reference"]):  # the replayed run and its oracle
+        capsys.readouterr()
+        assert train_main([*base, "--steps", "2", *reference]) == 0
+        assert "resuming" not in _err(capsys)
+        assert train_main([*base, "--steps", "3", "--resume", str(ckpt), *reference]) == 0
+        assert f"dcp-train: resuming from {ckpt}/step-00000002 at step 2\n" in _err(capsys)
+        for f in sorted(ckpt.iterdir()):
+            if f.is_dir():
+                for g in f.iterdir():
+                    g.unlink()
+                f.rmdir()
+            else:
+                f.unlink()
+
+
 def test_a_missing_dataset_is_named_not_an_errno(tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     data = write_token_jsonl(tmp_path / "d.jsonl")

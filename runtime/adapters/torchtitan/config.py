@@ -42,7 +42,7 @@ from runtime.data.plan_reader import PlanReader
 from runtime.train.checkpoint import check_save_target
 from runtime.train.common import TrainConfig
 from runtime.train.model import GPTConfig
-from runtime.train.preflight import check_resume_step, run_inputs
+from runtime.train.preflight import announce_resume, check_resume_step, run_inputs
 
 ADAMW_BETAS = (0.9, 0.95)
 ADAMW_EPS = 1e-8
@@ -94,8 +94,10 @@ def check_titan_start(cfg: TrainConfig, rank: int) -> None:
     with PlanReader(cfg.plan) as reader:
         num_steps = reader.num_steps
     start = max(latest_checkpoint(cfg.resume), 0) if cfg.resume else 0
-    if cfg.resume:  # at the run's end: a notice (torchtitan's loop then runs no step)
-        check_resume_step(cfg, start, num_steps, notice=rank == 0)
+    # At the run's end: a notice (torchtitan's loop then runs no step); else where it continues.
+    if cfg.resume and check_resume_step(cfg, start, num_steps, notice=rank == 0) and rank == 0:
+        # torchtitan's step-N holds N completed steps: the next 0-based step is N.
+        announce_resume(os.path.join(cfg.resume, f"step-{start}"), start)
     if cfg.save:
         stop = min(cfg.steps, num_steps) if cfg.steps else num_steps
         check_save_target(cfg.save, rank, writes=titan_saves(start, stop, cfg.save_every or stop),
