@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from planner.cliargs import (
+    EFFORT_HELP,
     ArgumentParser,
     HelpFormatter,
     add_json_arguments,
@@ -174,7 +175,7 @@ def _plan_parser() -> argparse.ArgumentParser:
                      "drop")
     sol.add_argument("--cost-model", default="default",
                      help="cost-model preset name or JSON file (see planner/presets)")
-    sol.add_argument("--effort", choices=EFFORTS, default="balanced", help="solver effort")
+    sol.add_argument("--effort", choices=EFFORTS, default="balanced", help=EFFORT_HELP)
     sol.add_argument("--microbatch-tolerance", type=float, default=0.01, metavar="F",
                      help="take more microbatches than the fewest that fit only when that is "
                      "faster by more than F (relative); larger F gives fuller slots")

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 __all__ = [
+    "EFFORT_HELP",
     "ArgumentParser",
     "HelpFormatter",
     "add_json_arguments",
@@ -43,6 +44,16 @@ __all__ = [
     "step_range",
     "version_string",
 ]
+
+
+EFFORT_HELP = (
+    "solver effort. fast: the placement heuristic only; balanced: also refines steps more than "
+    "2%% over their bound (target search, a short CP-SAT); max: more targets and microbatch "
+    "counts, 10x the CP-SAT time. Measured on 1M Wikipedia lengths (whole run, CPU s, time over "
+    "the tight bound; BENCHMARKS.md): N = 64: fast 3.2 s 1.0166x, balanced 3.2 s 1.0107x, max "
+    "32.7 s 1.0102x; N = 256: fast 2.5 s 1.0203x, balanced 3.3 s 1.0139x, max 36.0 s 1.0134x. "
+    "max costs ~10x for plans ~0.05%% faster")
+"""``--effort``'s help (``dcp-plan`` and ``compare``): what each level does and costs."""
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

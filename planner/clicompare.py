@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from planner.cliargs import (
+    EFFORT_HELP,
     ArgumentParser,
     HelpFormatter,
     add_json_arguments,
@@ -81,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--long-sequences", choices=LONG_SEQUENCE_POLICIES, default="error",
                    help="a sample longer than the whole pool holds: error (that setup is "
                    "refused), split, truncate, drop")
-    p.add_argument("--effort", choices=EFFORTS, default="balanced", help="solver effort")
+    p.add_argument("--effort", choices=EFFORTS, default="balanced", help=EFFORT_HELP)
     p.add_argument("--seed", type=seed_int, default=0, help="seed of the permutation")
     p.add_argument("--sample-steps", type=nonnegative_int, default=DEFAULT_SAMPLE, metavar="K",
                    help="plan at most K steps per setup, drawn by a seeded permutation (the "

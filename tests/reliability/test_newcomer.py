@@ -11,6 +11,8 @@ raw ``[Errno 2]``; ``validate --version`` and ``show --version`` demanded argume
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -78,6 +80,24 @@ def test_validate_reads_the_plans_skip_policy(tmp_path: Path,
     clean.write_text("\n".join([lines[0], '{"input_ids": [1, 2,', *lines[1:]]) + "\n")
     assert main(["validate", str(plan2), str(clean)]) == 2
     assert f"{clean}:2" in _err(capsys)
+
+
+def test_effort_help_quotes_the_measured_cost() -> None:
+    """``--effort``'s help gives the numbers of BENCHMARKS.md's effort table (N = 64, 256)."""
+    text = " ".join(subprocess.run([str(BIN / "dcp-plan"), "--help"], capture_output=True,
+                                   text=True, timeout=120, check=True).stdout.split())
+    section = (ROOT / "BENCHMARKS.md").read_text().split("### What `--effort` costs", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    rows = {(int(n), effort): (float(cpu), ratio) for n, effort, _, cpu, ratio in re.findall(
+        r"^\| (\d+) \| (\w+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|", section, re.M)}
+    for n in (64, 256):
+        quoted = "; ".join(f"{e} {rows[(n, e)][0]:g} s {rows[(n, e)][1]}x"
+                           for e in ("fast", "balanced", "max"))
+        got = re.search(rf"N = {n}: (.*?)(?:;|\.) (?:N =|max costs)", text)
+        assert got is not None, text
+        assert [float(x) for x in re.findall(r"[\d.]+", got.group(1))] == [
+            float(x) for x in re.findall(r"[\d.]+", quoted)], (got.group(1), quoted)
+    assert "max costs ~10x for plans ~0.05% faster" in text
 
 
 def test_a_blend_summary_shows_drawn_and_undrawn_samples(
