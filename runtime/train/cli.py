@@ -134,6 +134,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="checkpoint directory to continue from")
     p.add_argument("--quiet", action="store_true",
                    help="no per-step lines, no progress bar, no text summary")
+    p.add_argument("--verbose", action="store_true",
+                   help="also print the framework's known upstream warnings, silenced by "
+                   "default (each listed with why it does not apply: runtime/train/quiet.py); "
+                   "unknown warnings always print")
     add_json_arguments(p)
     ev = p.add_argument_group("evaluation", "an eval plan (dcp-plan DATA --eval) run forward only "
                               "during training; rank 0 writes one JSON line per evaluation")
@@ -249,7 +253,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, GPTConfi
                           datasets=items if len(items) > 1 else (), field=a.field,
                           eval_field=a.eval_field, steps=a.steps,
                           device=a.device, seed=a.seed, attention=a.attention, dtype=a.dtype,
-                          lr=a.lr, weight_decay=a.weight_decay, log_jsonl=a.log_jsonl,
+                          lr=a.lr, weight_decay=a.weight_decay, verbose=a.verbose,
+                          log_jsonl=a.log_jsonl,
                           save=a.save, save_every=a.save_every, resume=a.resume, quiet=a.quiet,
                           json=a.json, summary_json=a.summary_json,
                           eval_plan=a.eval_plan, eval_dataset=a.eval_dataset,

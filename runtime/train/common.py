@@ -61,6 +61,9 @@ class TrainConfig:
     """fp32, or bf16 (autocast; fp32 master weights and optimizer)."""
     lr: float = 1e-3
     """AdamW learning rate (constant)."""
+    verbose: bool = False
+    """Show the framework's known upstream warnings (``runtime.train.quiet``), silenced by
+    default."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     log_jsonl: str = ""

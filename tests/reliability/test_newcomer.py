@@ -237,3 +237,67 @@ def test_counts_are_refused_when_negative(tmp_path: Path,
                   "--global-batch-size", "32", "-o", str(plan), *argv])
         assert e.value.code == 2
         assert f"argument {flag}: expected a positive integer, got -1" in _err(capsys)
+
+
+@pytest.mark.slow
+def test_torchtitan_runs_quiet_unless_verbose(tmp_path: Path) -> None:
+    """Known upstream warnings (runtime.adapters.torchtitan.titan.KNOWN_WARNINGS) are off by
+    default and shown with --verbose; a one-process torchtitan run with an evaluation, then a
+    resume, prints three of them otherwise (init_distributed, validation steps, get_lr)."""
+    pytest.importorskip("torchtitan")
+    data = write_token_jsonl(tmp_path / "d.jsonl")
+    plan = pool1_plan(main, data, tmp_path / "p.arrow")
+    eval_plan = tmp_path / "e.arrow"
+    assert main([str(data), "--eval", "-o", str(eval_plan), "--dp", "1",
+                 "--max-tokens-per-rank", "256", "--global-batch-size", "6", "--quiet"]) == 0
+    ckpt = tmp_path / "ckpt"
+    base = [str(BIN / "dcp-train"), "--framework", "torchtitan", "--plan", str(plan),
+            "--dataset", str(data), *TRAIN_FLAGS, "--save", str(ckpt), "--eval-plan",
+            str(eval_plan), "--eval-dataset", str(data), "--eval-steps", "1"]
+
+    def run(*extra: str) -> str:
+        out = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=300,
+                             cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        return out.stderr
+
+    quiet = run("--steps", "1")
+    verbose = run("--steps", "2", "--resume", str(ckpt), "--verbose")
+    from runtime.adapters.torchtitan.titan import KNOWN_WARNINGS
+
+    for known in KNOWN_WARNINGS:
+        assert not re.search(known.message, quiet), known.message
+        assert re.search(known.message, verbose), known.message
+    assert f"dcp-train: resuming from {ckpt}/step-1 at step 1" in verbose
+
+
+@pytest.mark.slow
+def test_megatron_runs_quiet_unless_verbose(tmp_path: Path) -> None:
+    """Megatron's known warnings (runtime.adapters.megatron.known_warnings) are off by default
+    and shown with --verbose: a resumed one-process Megatron run prints three otherwise (torch's
+    load_state_dict and ShardedTensor deprecations from dist_checkpointing's load), and says
+    where it continues."""
+    pytest.importorskip("megatron.core")
+    data = write_token_jsonl(tmp_path / "d.jsonl")
+    plan = pool1_plan(main, data, tmp_path / "p.arrow")
+    ckpt = tmp_path / "ckpt"
+    base = [str(BIN / "dcp-train"), "--framework", "megatron", "--plan", str(plan),
+            "--dataset", str(data), *TRAIN_FLAGS]
+
+    def run(*extra: str) -> str:
+        out = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=300,
+                             cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        return out.stderr
+
+    assert "Warning" not in run("--steps", "1", "--save", str(ckpt))
+    quiet = run("--steps", "2", "--resume", str(ckpt))   # no --save: the next run resumes alike
+    verbose = run("--steps", "2", "--resume", str(ckpt), "--verbose")
+    from runtime.adapters.megatron.known_warnings import KNOWN_WARNINGS
+
+    for known in KNOWN_WARNINGS:
+        assert not re.search(known.message, quiet), known.message
+        assert re.search(known.message, verbose), known.message
+    assert "Warning" not in quiet, quiet
+    for err in (quiet, verbose):
+        assert f"dcp-train: resuming from {ckpt}/step-00000001 at step 1\n" in err

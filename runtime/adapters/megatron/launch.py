@@ -9,6 +9,7 @@ and exits 2).
 
 from __future__ import annotations
 
+from runtime.adapters.megatron.known_warnings import quiet_upstream_warnings
 from runtime.adapters.megatron.oracle import train_reference
 from runtime.adapters.megatron.train import MegatronTrainer
 from runtime.train.common import TrainConfig, process_group, require_one_process
@@ -20,6 +21,8 @@ SUPPORTS_EVAL = True
 
 def launch(cfg: TrainConfig, model_config: GPTConfig, *, reference: bool) -> int:
     """Run ``cfg`` through Megatron-core (``reference``: its one-process oracle); exit status."""
+    if not cfg.verbose:  # Megatron's known warnings (known_warnings.KNOWN_WARNINGS) stay quiet
+        quiet_upstream_warnings()
     if reference:
         require_one_process()
     elif cfg.device == "cpu" and cfg.dtype == "bf16" and cfg.megatron.grad_sync != "pool":

@@ -173,4 +173,4 @@ def trainer_config(cfg: TrainConfig, model_config: GPTConfig, *,
         activation_checkpoint=None,
         attention=cfg.attention, seed=cfg.seed, log_jsonl=cfg.log_jsonl, quiet=cfg.quiet,
         summary_json=cfg.summary_json, json_summary=cfg.json, progress=cfg.progress,
-        skip_nonfinite_steps=cfg.skip_nonfinite_steps)
+        skip_nonfinite_steps=cfg.skip_nonfinite_steps, verbose=cfg.verbose)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from runtime.adapters.torchtitan.config import check_titan_start, trainer_config
 from runtime.adapters.torchtitan.oracle import train_reference
-from runtime.adapters.torchtitan.titan import DEVICE_TYPE
+from runtime.adapters.torchtitan.titan import DEVICE_TYPE, quiet_upstream_warnings
 from runtime.adapters.torchtitan.trainer import PlanTrainer
 from runtime.train.common import TrainConfig, process_group, require_one_process
 from runtime.train.model import GPTConfig
@@ -31,6 +31,8 @@ def build_trainer(cfg: TrainConfig, model_config: GPTConfig) -> PlanTrainer:
 
 def launch(cfg: TrainConfig, model_config: GPTConfig, *, reference: bool) -> int:
     """Train ``cfg.plan`` through torchtitan (or run its oracle); returns the exit status."""
+    if not cfg.verbose:  # torchtitan's known warnings (titan.KNOWN_WARNINGS) stay quiet
+        quiet_upstream_warnings()
     if reference:
         require_one_process()
         train_reference(cfg, model_config)

@@ -23,6 +23,7 @@ import torch
 import torch._utils
 
 from runtime.adapters.torchtitan import compat
+from runtime.train.quiet import KnownWarning, quiet
 
 TORCHTITAN_VERSION = "0.3.0"
 
@@ -175,6 +176,36 @@ def gloo_sum_reduction(model: torch.nn.Module) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
+KNOWN_WARNINGS = (
+    KnownWarning(
+        r"torch\.distributed is already initialized\. Skipping init_distributed",
+        category=None,
+        why="distributed/utils.py init_distributed, once per rank: dcp-train creates the "
+        "process group itself (runtime.train.common.process_group, with "
+        "--distributed-timeout-minutes), and PlanTrainer applies the timeout to torchtitan's "
+        "mesh groups (set_group_timeout); nothing of torchtitan's comm config is lost"),
+    KnownWarning(
+        r"Setting validation steps to -1 might cause hangs",
+        category=None,
+        why="components/validate.py, once per rank: PlanValidator runs an EvalSchedule, whose "
+        "pass holds the same steps and microbatches on every rank (checked collectively when "
+        "it is built), so no rank runs out of data before the others"),
+    KnownWarning(
+        r"To get the last learning rate computed by the scheduler",
+        category=UserWarning, module=r"torch\.optim\.lr_scheduler",
+        why="on --resume, components/optimizer/lr_scheduler.py load_state_dict recomputes each "
+        "scheduler's last rate with get_lr() outside a step, on purpose (its comment says "
+        "why); torch warns about any such call"),
+)
+"""torchtitan's warnings that do not apply to a plan's run (``runtime.train.quiet``): off
+unless ``dcp-train --verbose``."""
+
+
+def quiet_upstream_warnings() -> None:
+    """Silence ``KNOWN_WARNINGS`` in this process (``launch`` does, unless ``--verbose``)."""
+    quiet(KNOWN_WARNINGS)
+
+
 @contextmanager
 def quiet_cpu_dtensor_warnings() -> Iterator[None]:
     """DTensor warns that its random ops "may not have complete support on cpu device mesh"
@@ -189,6 +220,7 @@ def quiet_cpu_dtensor_warnings() -> Iterator[None]:
 __all__ = [
     "DEVICE_TYPE",
     "IGNORE_INDEX",
+    "KNOWN_WARNINGS",
     "TORCHTITAN_VERSION",
     "BaseDataLoader",
     "BaseTokenizer",
@@ -219,5 +251,6 @@ __all__ = [
     "mesh_groups",
     "parallelize_llama",
     "quiet_cpu_dtensor_warnings",
+    "quiet_upstream_warnings",
     "torchtitan",
 ]

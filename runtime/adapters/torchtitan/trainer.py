@@ -42,6 +42,7 @@ from runtime.adapters.torchtitan.titan import (
     gloo_sum_reduction,
     mesh_groups,
     quiet_cpu_dtensor_warnings,
+    quiet_upstream_warnings,
 )
 from runtime.adapters.torchtitan.validate import PlanValidator
 from runtime.data.batch import to_device
@@ -116,6 +117,9 @@ class PlanTrainer(Trainer):
         skip_nonfinite_steps: bool = False
         """Skip the optimizer update of a step whose loss or gradients are not finite (logged
         ``"skipped": true``) instead of stopping with an error naming the step."""
+        verbose: bool = False
+        """Show torchtitan's known warnings (``titan.KNOWN_WARNINGS``: each is listed with why
+        it does not apply), silenced by default; unknown ones always show."""
 
     config: Config
     dataloader: PlanDataLoader
@@ -124,6 +128,8 @@ class PlanTrainer(Trainer):
         if config.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got "
                              f"{config.attention!r}")
+        if not config.verbose:
+            quiet_upstream_warnings()
         if config.dataloader.timeout_seconds is None:
             # The plan's CP groups carry the training timeout from the start (they are used in
             # training steps only); torchtitan's own groups follow its two-phase rule below.
