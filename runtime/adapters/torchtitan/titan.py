@@ -43,6 +43,31 @@ def _import_with_cpu_device_type() -> None:
         import torchtitan.tools.utils  # noqa: F401 - evaluated once, under the fallback
     finally:
         torch._utils._get_available_device_type = original
+    _cpu_device_type_if_imported_before()
+
+
+def _cpu_device_type_if_imported_before() -> None:
+    """A job that imported torchtitan before this module (``from torchtitan.config import
+    ...`` first, isort's order) on a host without an accelerator: ``tools/utils.py`` already
+    chose "cuda", and ``distributed/utils.py``, ``parallel_dims.py``, ``components/metrics.py``,
+    ... copied ``device_type`` / ``device_module`` at their import, so the trainer would call
+    ``torch.cuda.set_device`` (``torch._C`` has no ``_cuda_setDevice`` on a CPU build). Give
+    every torchtitan module loaded so far the CPU pair, as the fallback above would have;
+    modules imported later read it from ``tools/utils.py``. Nothing changes where an
+    accelerator is present."""
+    import sys
+
+    utils = sys.modules["torchtitan.tools.utils"]
+    if getattr(utils, "device_type", None) != "cuda" or torch._utils._get_available_device_type(
+            ) is not None:  # type: ignore[no-untyped-call]
+        return
+    for name, module in list(sys.modules.items()):
+        if name.split(".")[0] != "torchtitan" or module is None:
+            continue
+        if getattr(module, "device_type", None) == "cuda":
+            module.device_type = "cpu"  # type: ignore[attr-defined]
+        if getattr(module, "device_module", None) is torch.cuda:
+            module.device_module = torch.cpu  # type: ignore[attr-defined]
 
 
 # ``models/common/attention.py`` calls ``torch.compile`` while defining ``FlexAttention``, which
@@ -60,8 +85,9 @@ with warnings.catch_warnings():
     import torchtitan.tools.utils as _utils
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.checkpointer.base import BaseCheckpointManager
     from torchtitan.components.dataloader import BaseDataLoader
-    from torchtitan.components.loss import IGNORE_INDEX, CrossEntropyLoss
+    from torchtitan.components.loss import IGNORE_INDEX, BaseLoss, CrossEntropyLoss
     from torchtitan.components.metrics import DeviceMemStats, MetricsProcessor
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
     from torchtitan.components.tokenizer import BaseTokenizer
@@ -222,7 +248,9 @@ __all__ = [
     "IGNORE_INDEX",
     "KNOWN_WARNINGS",
     "TORCHTITAN_VERSION",
+    "BaseCheckpointManager",
     "BaseDataLoader",
+    "BaseLoss",
     "BaseTokenizer",
     "CheckpointManager",
     "CommConfig",

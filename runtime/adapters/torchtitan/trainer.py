@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -34,9 +34,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from runtime.adapters.torchtitan.attention import PlanMasks
-from runtime.adapters.torchtitan.data import MICROBATCH_KEY, PlanDataLoader
+from runtime.adapters.torchtitan.data import MICROBATCH_KEY, PlanDataLoader, PlanTokenizer
 from runtime.adapters.torchtitan.model import build_llama3, gpt_shape
 from runtime.adapters.torchtitan.titan import (
+    BaseCheckpointManager,
+    BaseLoss,
+    BaseTokenizer,
+    CheckpointManager,
+    CrossEntropyLoss,
     MetricsProcessor,
     Trainer,
     gloo_sum_reduction,
@@ -93,11 +98,42 @@ def copy_seeded_weights(model: torch.nn.Module, model_config: Any, seed: int) ->
             p.copy_(src)
 
 
+def _no_checkpoint() -> BaseCheckpointManager.Config:
+    return CheckpointManager.Config(enable=False, initial_load_model_only=False)
+
+
+def _vocab_from_model(config: PlanTrainer.Config) -> None:
+    """The data loader's token-id check and the tokenizer's size default to the model's
+    vocabulary (an id past it was an ``IndexError`` inside the embedding); a loader size above
+    the model's is refused, since it would let such ids through."""
+    if config.model_spec is None:
+        return
+    vocab = int(config.model_spec.model.vocab_size)
+    loader = config.dataloader
+    if isinstance(loader, PlanDataLoader.Config):
+        if loader.vocab_size == 0:
+            loader.vocab_size = vocab
+        elif loader.vocab_size > vocab:
+            raise ValueError(f"dataloader vocab_size {loader.vocab_size} is above the model's "
+                             f"{vocab}: token ids up to it would index past the embedding")
+    if isinstance(config.tokenizer, PlanTokenizer.Config) and config.tokenizer.vocab_size == 0:
+        config.tokenizer.vocab_size = vocab
+
+
 class PlanTrainer(Trainer):
     """torchtitan's trainer over a plan (see the module docstring)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
+        # torchtitan's defaults that a plan's job cannot use: a tokenizer to load from
+        # hf_assets_path (the plan's datasets are pre-tokenized) and an abstract loss (the
+        # plan's contract is torchtitan's cross entropy summed over valid labels and divided
+        # by the step's global count). The vocabulary sizes default to the model's. And no
+        # checkpointing, without torchtitan's default initial_load_model_only=True, which
+        # warns on every rank that it has no effect without an initial_load_path.
+        tokenizer: BaseTokenizer.Config = field(default_factory=PlanTokenizer.Config)
+        loss: BaseLoss.Config = field(default_factory=CrossEntropyLoss.Config)
+        checkpoint: BaseCheckpointManager.Config = field(default_factory=_no_checkpoint)
         attention: str = "reference"
         """CP attention backend: reference (all-gather, any device), torch (torch's fused varlen
         kernel on CUDA), te (Transformer Engine, CUDA)."""
@@ -130,6 +166,7 @@ class PlanTrainer(Trainer):
                              f"{config.attention!r}")
         if not config.verbose:
             quiet_upstream_warnings()
+        _vocab_from_model(config)
         if config.dataloader.timeout_seconds is None:
             # The plan's CP groups carry the training timeout from the start (they are used in
             # training steps only); torchtitan's own groups follow its two-phase rule below.
