@@ -1,8 +1,12 @@
-"""The README's examples run as written (the ones that need no process group or GPU).
+"""The README's examples run as written (those that need no GPU, and the own-job examples on 4
+gloo ranks), and what they write is ignored by git.
 
 Each example is taken from README.md itself, by the heading it sits under, and run in a scratch
 directory laid out like a checkout (``data/`` and ``.venv`` linked to this one's, an empty
-``plans/``), so the commands run exactly as a user pastes them and nothing lands in the repo.
+``plans/``), so the commands run exactly as a user pastes them and nothing lands in the repo;
+every file an example leaves there must be one the repository's ``.gitignore`` ignores (they
+left ``ckpt/`` and logs untracked in the repo root), and so must every output path the README
+names anywhere.
 """
 
 from __future__ import annotations
@@ -50,7 +54,26 @@ def run_bash(block: str, cwd: Path, *, stderr: list[str] | None = None) -> str:
     assert out.returncode == 0, f"{block}\n--- stdout\n{out.stdout}\n--- stderr\n{out.stderr}"
     if stderr is not None:
         stderr.append(out.stderr)
+    assert_ignored(cwd)
     return out.stdout
+
+
+def _ignored(paths: list[str]) -> set[str]:
+    """Which of ``paths`` (relative to a checkout) the repository's .gitignore ignores."""
+    if not paths:
+        return set()
+    out = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "--no-index", "--stdin"],
+                         input="\n".join(paths) + "\n", capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert out.returncode in (0, 1), out.stderr
+    return set(out.stdout.split())
+
+
+def assert_ignored(checkout: Path) -> None:
+    """Every file an example left in the scratch checkout is ignored by git."""
+    written = sorted(p.relative_to(checkout).as_posix() for p in checkout.rglob("*")
+                     if p.is_file() and p.parts[len(checkout.parts)] not in ("data", ".venv"))
+    assert set(written) - _ignored(written) == set()
 
 
 def test_planning_and_notebook_examples_run(checkout: Path) -> None:
@@ -123,13 +146,26 @@ def test_megatron_moe_example_equals_its_oracle(checkout: Path) -> None:
     run_bash(readme_block(MOE, "bash", 0), checkout)
     reader = PlanReader(checkout / "plans" / "moe.arrow")
     assert {int(k) for k in reader.step(0).group_cp_size} == {1, 2, 4}
-    got, want = ([json.loads(line) for line in (checkout / "plans" / name).read_text().splitlines()]
+    got, want = ([json.loads(line) for line in (checkout / "runs" / name).read_text().splitlines()]
                  for name in ("moe.jsonl", "moe-oracle.jsonl"))
     assert len(got) == len(want) == 1
     for key in ("loss", "grad_norm", "moe_aux_loss"):
         assert abs(got[0][key] - want[0][key]) <= 1e-6 * abs(want[0][key]), (key, got, want)
     assert got[0]["moe_tokens_per_expert"] == want[0]["moe_tokens_per_expert"]
     assert got[0]["loss_tokens"] == want[0]["loss_tokens"]
+
+
+def test_every_output_the_readme_names_is_ignored() -> None:
+    """Outputs of every example, run by a test or not (the torchrun ones): plans, figures,
+    reports, logs, checkpoints, summaries, and the job scripts it has you save."""
+    flags = r"(?:-o|--output|--save|--resume|--log-jsonl|--figure|--summary-json)"
+    named = re.findall(rf"(?:^|\s){flags}[ =]([\w./-]+)", README, re.M)
+    named += re.findall(r"savefig\(\"([^\"]+)\"\)", README)
+    named += re.findall(r"^`(my_\w+\.py)`:$", README, re.M)
+    outputs = sorted({n for n in named if not n.startswith(("FILE", "DIR", "PATH"))})
+    assert {"runs/ckpt", "runs/train.jsonl", "plans/setups.png", "plans/sample-report.html",
+            "my_torchtitan_job.py"} <= set(outputs)
+    assert set(outputs) - _ignored(outputs) == set()
 
 
 @pytest.mark.dist
