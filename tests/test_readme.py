@@ -133,7 +133,7 @@ def test_megatron_own_job_example_runs_on_four_ranks(checkout: Path) -> None:
         assert r["grad_norm"] > 0
 
 
-MOE = "Mixture of experts (Megatron-core)"
+MOE = "Mixture of experts and multi-token prediction (Megatron-core)"
 
 
 @pytest.mark.dist

@@ -198,8 +198,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="multi-token prediction: D extra layers, layer d predicting the token "
                     "d + 1 ahead (0: none)")
     mg.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1, metavar="S",
-                    help="weight of the MTP loss (the mean over depths of each depth's "
-                    "per-token mean)")
+                    help="weight S of the MTP loss: S / D times the sum over depths of each "
+                    "depth's loss, per LM loss token")
     refuse(p, REFUSED)
     return p
 

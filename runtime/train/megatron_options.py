@@ -39,7 +39,7 @@ class MegatronOptions:
     mtp_num_layers: int = 0
     """Multi-token prediction depth: layer d predicts the token d + 1 ahead (0: none)."""
     mtp_loss_scaling_factor: float = 0.1
-    """Weight of the MTP loss: the mean over depths of each depth's per-token mean."""
+    """Weight S of the MTP loss: ``S / D`` times each depth's loss sum, per LM loss token."""
 
     use_distributed_optimizer: bool = False
     """Megatron's distributed optimizer: optimizer state and fp32 master weights sharded over

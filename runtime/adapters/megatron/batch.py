@@ -8,6 +8,10 @@ microbatch, lazily (at most one ahead of the schedule), with only the fields its
 - ``tokens``, ``position_ids``: int64 ``[1, T]`` on the first stage (chunk 0 of pp rank 0), else
   None. ``T`` is this rank's share of the group's packed buffer (``runtime.data.batch``);
 - ``labels``, ``loss_mask``: on the last stage (last chunk of the last pp rank), else None;
+- ``mtp``: a model with multi-token prediction (``mtp_depth``), on the last stage:
+  ``runtime.data.mtp.MTPInputs`` (each depth's labels and loss mask, shifted within each
+  sequence, and the shift map Megatron's MTP layers roll their inputs through); the last stage
+  then also gets ``tokens`` and ``position_ids`` (the MTP layers embed them). Else None;
 - ``padding_mask``: bool, True for a real token and False for padding, on every stage, in the
   tokens' layout. Under sequence parallelism Megatron's ``GPTModel`` scatters it over the TP
   ranks on the first stage; on the other stages the hidden states are already scattered, so it
@@ -38,6 +42,7 @@ from planner.groups import ZIGZAG
 from runtime.adapters.megatron import mcore
 from runtime.adapters.megatron.groups import MegatronGroups
 from runtime.data.batch import MicrobatchInputs, build_microbatch, to_device
+from runtime.data.mtp import mtp_inputs
 from runtime.data.plan_reader import GroupRows, PlanReader
 from runtime.data.shard import shard_indices_np
 from runtime.data.tokens import TokenSource
@@ -101,6 +106,7 @@ class PlanBatches:
         device: where the batch tensors go.
         vocab_size: when set, token ids outside [0, vocab_size) are a ValueError naming the
             step, microbatch and samples (the embedding would fail without saying where).
+        mtp_depth: the model's multi-token prediction layers (0: none).
 
     Raises:
         ValueError: the plan's layout is not zigzag, or the job is not the plan's.
@@ -108,7 +114,7 @@ class PlanBatches:
 
     def __init__(self, reader: PlanReader, source: TokenSource, groups: MegatronGroups, *,
                  num_chunks: int = 1, device: torch.device | str = "cpu",
-                 vocab_size: int = 0) -> None:
+                 vocab_size: int = 0, mtp_depth: int = 0) -> None:
         if reader.layout != ZIGZAG and max(reader.header.cp_sizes) > 1:
             raise ValueError(f"{reader.path}: layout {reader.layout!r}; Megatron's THD RoPE "
                              "splits every sequence in zigzag chunks (plan with --layout zigzag)")
@@ -119,6 +125,7 @@ class PlanBatches:
         self.num_chunks = num_chunks
         self.device = torch.device(device)
         self.vocab_size = vocab_size
+        self.mtp_depth = mtp_depth
         par = reader.header.parallel
         self._sp_split = par.sequence_parallel and par.tp > 1
         t = groups.topology
@@ -143,7 +150,8 @@ class PlanBatches:
         rows = self.rows(step, microbatch)
         first, last = self.stage_of(chunk)
         mb = build_microbatch(rows, self.source, layout=self.reader.layout,
-                              is_first_stage=first, is_last_stage=last)
+                              is_first_stage=first or (last and self.mtp_depth > 0),
+                              is_last_stage=last)
         if self.vocab_size and mb.tokens is not None:  # CPU tensor: a min and a max, no sync
             check_token_ids(mb.tokens, self.vocab_size, functools.partial(
                 _where, step, microbatch, rows))
@@ -157,6 +165,13 @@ class PlanBatches:
         """A built microbatch as chunk ``chunk``'s Megatron batch (fields it does not own are
         dropped; also used for evaluation microbatches, which ``EvalSchedule`` builds)."""
         first, last = self.stage_of(chunk)
+        mtp_here = last and self.mtp_depth > 0
+        mtp = None
+        if mtp_here:
+            if mb.tokens is None:  # an evaluation microbatch of a later stage: built without
+                mb = build_microbatch(rows, self.source, layout=self.reader.layout)
+            mtp = mtp_inputs(rows, self.source, layout=self.reader.layout,
+                             depth=self.mtp_depth).to(self.device)
         mb = to_device(mb, self.device)
         slot_rows, real = slots(rows, self.reader.layout)
         mask = torch.from_numpy(real)
@@ -172,10 +187,12 @@ class PlanBatches:
             return None if t is None or not keep else t[None]
 
         return {
-            "tokens": row(mb.tokens, first), "position_ids": row(mb.position_ids, first),
+            "tokens": row(mb.tokens, first or mtp_here),
+            "position_ids": row(mb.position_ids, first or mtp_here),
             "labels": row(mb.labels, last), "loss_mask": row(mb.loss_mask, last),
             "attention_mask": None, "padding_mask": mask[None].to(self.device),
             "packed_seq_params": packed_seq_params(mb, group), "segments": segments,
+            "mtp": mtp,
         }
 
     def _iterate(self, step: int, chunk: int) -> Iterator[Batch]:

@@ -48,7 +48,8 @@ class MegatronEvaluator:
     """
 
     def __init__(self, cfg: TrainConfig, train_reader: PlanReader, groups: MegatronGroups, *,
-                 num_chunks: int, device: torch.device, vocab_size: int) -> None:
+                 num_chunks: int, device: torch.device, vocab_size: int,
+                 mtp_depth: int = 0) -> None:
         self.reader = PlanReader(cfg.eval_plan)
         try:
             self.source = open_plan_source(self.reader, cfg.eval_dataset, field=cfg.eval_field)
@@ -68,7 +69,8 @@ class MegatronEvaluator:
                                  "eval set with the training job's --vpp)")
             # The same conversion as training (stage fields, padding mask, PackedSeqParams).
             self.batches = PlanBatches(self.reader, self.source, groups, num_chunks=num_chunks,
-                                       device=device, vocab_size=vocab_size)
+                                       device=device, vocab_size=vocab_size,
+                                       mtp_depth=mtp_depth)
         except BaseException:
             self.close()
             raise

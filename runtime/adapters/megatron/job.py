@@ -51,6 +51,7 @@ What each piece does:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -60,7 +61,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.adapters.megatron import ddp, forward, mcore, patches
+from runtime.adapters.megatron import ddp, forward, mcore, mtp, patches
 from runtime.adapters.megatron.batch import Batch, PlanBatches
 from runtime.adapters.megatron.groups import MegatronGroups, create_groups
 from runtime.adapters.megatron.model import ModelParallel, check_split, layer_spec, plan_fields
@@ -90,6 +91,8 @@ class StepLoss:
     adds to the LM loss's); None without a MoE load-balancing loss."""
     moe_tokens_per_expert: list[list[int]] | None = None
     """Per MoE layer (global layer order), the step's real tokens routed to each expert."""
+    mtp_loss: list[float] | None = None
+    """Multi-token prediction: each depth's per-token loss over the step (unweighted)."""
 
 
 class PlanJob:
@@ -189,6 +192,11 @@ class PlanJob:
         return self.parallel.vpp if self.parallel.vpp > 1 else None
 
     @property
+    def mtp_depth(self) -> int:
+        """The config's multi-token prediction layers (0: none, or no config yet)."""
+        return int(self.config.mtp_num_layers or 0) if self.config is not None else 0
+
+    @property
     def seq_length(self) -> int:
         """The schedules' ``seq_length`` (the plan's capacity; THD lengths vary below it)."""
         return self.reader.header.capacity_tokens_per_rank
@@ -212,6 +220,7 @@ class PlanJob:
         config = mcore.TransformerConfig(**{**fields, **fixed})
         check_config(config, tp=self.parallel.tp,
                      sequence_parallel=self.parallel.sequence_parallel)
+        mtp.check_config(config, tp=self.parallel.tp, vpp=self.parallel.vpp)
         config.finalize_model_grads_func = mcore.finalize_model_grads
         self.config = config
         self.routers = None
@@ -252,9 +261,11 @@ class PlanJob:
         build_pgc = mcore.process_group_collection({**vars(self.pg_collection), "embd": None})
         chunks: list[nn.Module] = []
         for c in range(vpp):
-            chunk = provider(pre_process=rank == 0 and c == 0,
-                             post_process=rank == pp - 1 and c == vpp - 1,
-                             vp_stage=c if vpp > 1 else None, pg_collection=build_pgc)
+            # A multi-token prediction block builds from the chunk's groups (mtp.building).
+            with mtp.building(build_pgc) if self.mtp_depth else contextlib.nullcontext():
+                chunk = provider(pre_process=rank == 0 and c == 0,
+                                 post_process=rank == pp - 1 and c == vpp - 1,
+                                 vp_stage=c if vpp > 1 else None, pg_collection=build_pgc)
             chunk = chunk.to(self.device)
             if config.bf16:
                 chunk = mcore.Float16Module(config, chunk)
@@ -277,7 +288,7 @@ class PlanJob:
             self.p2p = patches.TaggedP2PCommunicator(self.pg_collection.pp, config)
         self._batches = PlanBatches(self.reader, self.source, self.groups,
                                     num_chunks=len(wrapped), device=self.device,
-                                    vocab_size=self.vocab_size)
+                                    vocab_size=self.vocab_size, mtp_depth=self.mtp_depth)
         return wrapped
 
     def get_optimizer(self, optimizer_config: Any, model: list[nn.Module]) -> Any:
@@ -326,9 +337,12 @@ class PlanJob:
     def step_loss(self, reports: list[dict[str, torch.Tensor]]) -> StepLoss:
         """The step's per-token loss on every rank: the last stage's reports summed over the
         microbatches and the pool, then broadcast along the pipeline."""
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        depth = self.mtp_depth
+        total = torch.zeros(2 + 2 * depth, dtype=torch.float64, device=self.device)
         for r in reports:
-            total += r["lm loss"].to(self.device)
+            total[:2] += r["lm loss"].to(self.device)
+            if depth and "mtp loss" in r:
+                total[2:] += r["mtp loss"].to(self.device)
         pool = self.groups.catalog.pool_group
         if pool is not None:
             dist.all_reduce(total, group=pool)
@@ -336,11 +350,14 @@ class PlanJob:
             pp_group = self.pg_collection.pp
             src = dist.get_global_rank(pp_group, pp_group.size() - 1)
             dist.broadcast(total, src=src, group=pp_group)
-        loss_sum, count = total.tolist()
+        loss_sum, count, *per_depth = total.tolist()
         aux, tokens_per_expert = (self.routers.report(count) if self.routers is not None
                                   else (None, None))
+        mtp_loss = [s / max(c, 1.0) for s, c in zip(per_depth[::2], per_depth[1::2],
+                                                    strict=True)] or None
         return StepLoss(loss=loss_sum / max(count, 1.0), loss_tokens=int(count),
-                        moe_aux_loss=aux, moe_tokens_per_expert=tokens_per_expert)
+                        moe_aux_loss=aux, moe_tokens_per_expert=tokens_per_expert,
+                        mtp_loss=mtp_loss)
 
     def grads_finite(self, step: int, loss: StepLoss, model: list[nn.Module], *,
                      skip: bool = False) -> bool:

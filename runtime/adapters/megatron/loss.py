@@ -21,26 +21,47 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from runtime.data.mtp import MTPInputs
 from runtime.train.loss import per_token_loss
 
 
-def loss_func(labels: Tensor, loss_mask: Tensor, output: Tensor
+def loss_func(labels: Tensor, loss_mask: Tensor, output: Tensor, *,
+              mtp: MTPInputs | None = None, mtp_scale: float = 0.0
               ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """Megatron's per-token loss triple for one microbatch.
 
     Args:
         labels: int64 ``[1, T]`` (the batch's ``labels``).
         loss_mask: ``[1, T]``, 1 where the token's loss counts.
-        output: the model's logits ``[1, T, V]`` (all of the vocabulary).
+        output: the model's logits ``[1, T, V]`` (all of the vocabulary); with multi-token
+            prediction ``[1, (1 + D) T, V]``: the LM's, then each MTP depth's (``mtp.py``).
+        mtp: the microbatch's MTP targets (``runtime.data.mtp``); None: the LM loss only (an
+            evaluation), whatever the output holds.
+        mtp_scale: ``mtp_loss_scaling_factor / D``, the weight of each depth's loss sum.
 
     Returns:
         ``(loss_sum, num_tokens, {"lm loss": [loss_sum, num_tokens]})``: a float32 0-d tensor
         carrying the gradient, an int32 0-d count (the schedules sum counts in int32) and a
-        float64 pair for logging.
+        float64 pair for logging. With ``mtp`` the loss sum adds ``mtp_scale`` times each
+        depth's masked loss sum (divided by the step's LM tokens with the rest) and the report
+        adds ``"mtp loss"``: [sum_1, count_1, ..., sum_D, count_D] (unweighted).
     """
     logits = output.reshape(-1, output.shape[-1])
-    loss_sum, count = per_token_loss(logits, labels.reshape(-1), loss_mask.reshape(-1))
+    tokens = labels.numel()
+    loss_sum, count = per_token_loss(logits[:tokens], labels.reshape(-1), loss_mask.reshape(-1))
     num_tokens = count.to(torch.int)
-    report = torch.stack([loss_sum.detach().double(), count.double()])
-    return loss_sum, num_tokens, {"lm loss": report}
+    reports = {"lm loss": torch.stack([loss_sum.detach().double(), count.double()])}
+    if mtp is not None:
+        depth = mtp.labels.shape[0]
+        if logits.shape[0] != (1 + depth) * tokens:
+            raise AssertionError(f"{logits.shape[0]} logits rows for {tokens} tokens and "
+                                 f"{depth} MTP depths")
+        parts = []
+        for d in range(depth):
+            chunk = logits[(d + 1) * tokens:(d + 2) * tokens]
+            mtp_sum, mtp_count = per_token_loss(chunk, mtp.labels[d], mtp.loss_mask[d])
+            loss_sum = loss_sum + mtp_scale * mtp_sum
+            parts += [mtp_sum.detach().double(), mtp_count.double()]
+        reports["mtp loss"] = torch.stack(parts)
+    return loss_sum, num_tokens, reports
 

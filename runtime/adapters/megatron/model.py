@@ -21,6 +21,7 @@ function. Megatron's own init would draw different numbers for each split.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.adapters.megatron import mcore
+from runtime.adapters.megatron import mcore, mtp
 from runtime.adapters.megatron.attention import (
     PlanCoreAttention,
     SequenceCoreAttention,
@@ -160,14 +161,27 @@ def layer_spec(config: mcore.TransformerConfig, *, attention: str, vp_stage: int
 
 def gpt_chunk(model: GPTConfig, config: mcore.TransformerConfig,
               pg_collection: mcore.ProcessGroupCollection, *, spec: object, pre_process: bool,
-              post_process: bool, vp_stage: int | None, max_sequence_length: int) -> nn.Module:
-    """One model chunk of ``dcp-train``'s shape (a model provider's body), weights not set."""
-    chunk: nn.Module = mcore.GPTModel(
-        config, spec, vocab_size=model.vocab_size, max_sequence_length=max_sequence_length,
-        pre_process=pre_process, post_process=post_process,
-        share_embeddings_and_output_weights=model.tie_embeddings,
-        position_embedding_type="rope", rotary_base=int(model.rope_theta),
-        pg_collection=pg_collection, vp_stage=vp_stage)
+              post_process: bool, vp_stage: int | None, max_sequence_length: int,
+              use_te: bool = False) -> nn.Module:
+    """One model chunk of ``dcp-train``'s shape (a model provider's body), weights not set;
+    the last stage's holds the multi-token prediction block when ``config`` has one
+    (``mtp.block_spec``, TE modules with ``use_te``)."""
+    mtp_spec = None
+    if config.mtp_num_layers and post_process:
+        mtp_spec = mtp.block_spec(spec, config, use_te=use_te)
+    with mtp.building(pg_collection) if mtp_spec is not None else contextlib.nullcontext():
+        chunk: nn.Module = mcore.GPTModel(
+            config, spec, vocab_size=model.vocab_size, max_sequence_length=max_sequence_length,
+            pre_process=pre_process, post_process=post_process,
+            share_embeddings_and_output_weights=model.tie_embeddings,
+            position_embedding_type="rope", rotary_base=int(model.rope_theta),
+            pg_collection=pg_collection, vp_stage=vp_stage, mtp_block_spec=mtp_spec)
+    head: Any = getattr(chunk, "output_layer", None)
+    if mtp_spec is not None and model.tie_embeddings and not pre_process \
+            and getattr(head, "weight", None) is not None:
+        # The MTP stage holds its own copy of the tied embeddings (which the output layer
+        # uses) but still allocates an output weight that nothing reads: not trained.
+        head.weight.requires_grad_(False)
     return chunk
 
 
@@ -220,7 +234,7 @@ def global_names(chunk: nn.Module) -> dict[str, str]:
             local, rest = name[len("decoder.layers."):].split(".", 1)
             g = f"decoder.layers.{layers[int(local)].layer_number - 1}.{rest}"
         elif name == "output_layer.weight" and getattr(inner, "share_embeddings_and_output_weights",
-                                                       False):
+                                                       False) and not hasattr(inner, "embedding"):
             g = "embedding.word_embeddings.weight"  # the last stage's copy of tied embeddings
         out[name] = g
     return out

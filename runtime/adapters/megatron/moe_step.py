@@ -44,9 +44,6 @@ def load_balancing_types(config: Any) -> list[str]:
 def check_config(config: Any, *, tp: int, sequence_parallel: bool) -> None:
     """Refuse a MoE ``TransformerConfig`` the adapter cannot run under dynamic CP (the same
     ValueError on every rank, at start-up), saying what to use instead."""
-    if config.mtp_num_layers:
-        raise ValueError(f"mtp_num_layers={config.mtp_num_layers!r}: multi-token prediction is "
-                         "not supported by the adapter yet: set None")
     if not config.num_moe_experts:
         return
     refusals = {
@@ -81,6 +78,9 @@ def check_config(config: Any, *, tp: int, sequence_parallel: bool) -> None:
             any(t not in LOAD_BALANCING_TYPES for t in load_balancing_types(config)),
             f"use one of {', '.join(LOAD_BALANCING_TYPES)} (sinkhorn and others are not "
             "handled under dynamic CP)"),
+        "mtp_num_layers": (
+            bool(config.mtp_num_layers), "MoE layers with multi-token prediction are not "
+            "supported yet: a dense model with MTP, or MoE without it"),
         "sequence_parallel": (
             tp > 1 and not sequence_parallel, "MoE with tp > 1 needs sequence parallelism "
             "(Megatron refuses it in training): plan with dcp-plan --sequence-parallel"),

@@ -23,7 +23,7 @@ from runtime.adapters.megatron.model import (
     init_weights,
     transformer_config,
 )
-from runtime.adapters.megatron.oracle_terms import MoETerms
+from runtime.adapters.megatron.oracle_terms import MoETerms, MTPTerms
 from runtime.data.evaluation import check_eval_layout
 from runtime.data.plan_reader import PlanReader
 from runtime.data.plan_source import open_plan_source
@@ -39,7 +39,7 @@ from runtime.train.common import (
     step_range,
 )
 from runtime.train.model import GPTConfig
-from runtime.train.oracle import SegmentLogits, reference_eval, reference_step
+from runtime.train.oracle import SegmentLogits, SegmentTerms, reference_eval, reference_step
 
 
 def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
@@ -50,9 +50,6 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
     if cfg.save or cfg.resume:
         raise ValueError("--reference --framework megatron saves no checkpoint: drop --save "
                          "and --resume")
-    if cfg.megatron.mtp_num_layers:
-        raise ValueError("--mtp-num-layers: multi-token prediction is not supported by the "
-                         "adapter yet; drop it")
     device = resolve_device(cfg)
     patches.apply_patches(device)
     reader = PlanReader(cfg.plan)
@@ -82,9 +79,13 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
         result = TrainResult()
         try:
             steps = step_range(cfg, 0, reader.num_steps)
-            logits_of = _logits(model, cfg, device)
-            terms = (MoETerms(model, cfg.megatron, reader, logits_of) if cfg.megatron.moe
-                     else None)
+            mtp_logits: dict[str, torch.Tensor] = {}
+            logits_of = _logits(model, cfg, device, mtp_logits)
+            terms: SegmentTerms | None = None
+            if cfg.megatron.moe:
+                terms = MoETerms(model, cfg.megatron, reader, logits_of)
+            elif cfg.megatron.mtp_num_layers:
+                terms = MTPTerms(cfg.megatron, mtp_logits)
             vocab = model_config.vocab_size
             for step in steps:
                 result.logs.append(reference_step(model, optimizer, reader, source, step, vocab,
@@ -118,15 +119,19 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
             close()
 
 
-def _logits(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> SegmentLogits:
-    """Megatron's GPTModel on one whole segment as a ``[1, L]`` batch: logits ``[L, V]``."""
+def _logits(model: torch.nn.Module, cfg: TrainConfig, device: torch.device,
+            mtp_logits: dict[str, torch.Tensor]) -> SegmentLogits:
+    """Megatron's GPTModel on one whole segment as a ``[1, L]`` batch: logits ``[L, V]``; a
+    model with multi-token prediction also returns each depth's (``mtp.py``), which go to
+    ``mtp_logits["mtp"]`` (``[D * L, V]``, the last segment's)."""
     dtype = DTYPES[cfg.dtype]
 
     def logits_of(seq: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(len(seq), device=device)[None]
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             out: torch.Tensor = model(seq[None], positions, None)
-        return out[0]
+        mtp_logits["mtp"] = out[0, len(seq):]
+        return out[0, :len(seq)]
     return logits_of
 
 

@@ -117,3 +117,46 @@ class MoETerms:
         return {"moe_aux_loss": self.aux / max(loss_tokens, 1.0) if self.kind else None,
                 "moe_tokens_per_expert": [[int(x) for x in row]
                                           for row in self.tokens_per_expert.tolist()]}
+
+
+class MTPTerms:
+    """The oracle's multi-token prediction term and per-depth losses (``runtime.train.oracle.
+    SegmentTerms``): each segment alone, depth d trained on the segment's labels and loss mask
+    moved d positions on (the last d positions get none), weighted ``mtp_loss_scaling_factor /
+    D`` in the loss sum; ``mtp_logits`` holds the last segment's MTP logits ``[D * L, V]``
+    (``oracle._logits`` puts them there)."""
+
+    def __init__(self, options: MegatronOptions, mtp_logits: dict[str, Tensor]) -> None:
+        self.depth = options.mtp_num_layers
+        self.scale = options.mtp_loss_scaling_factor / self.depth
+        self.mtp_logits = mtp_logits
+        self.segments: list[Segment] = []
+
+    def begin_step(self, step: int, segments: list[Segment]) -> None:
+        del step
+        self.segments = segments
+        self.sums = [0.0] * self.depth
+        self.counts = [0.0] * self.depth
+
+    def extra(self, index: int) -> Tensor | None:
+        _, labels, mask = self.segments[index]
+        n = len(labels)
+        logits = self.mtp_logits["mtp"].reshape(self.depth, n, -1)
+        term = torch.zeros((), dtype=torch.float32, device=labels.device)
+        for d in range(1, self.depth + 1):
+            moved = torch.zeros_like(labels)
+            moved_mask = torch.zeros_like(mask, dtype=torch.float32)
+            moved[:n - d] = labels[d:]
+            moved_mask[:n - d] = mask[d:].float()
+            losses = torch.nn.functional.cross_entropy(logits[d - 1].float(), moved,
+                                                       reduction="none")
+            total = (losses * moved_mask).sum()
+            self.sums[d - 1] += float(total.detach())
+            self.counts[d - 1] += float(moved_mask.sum())
+            term = term + self.scale * total
+        return term
+
+    def end_step(self, loss_tokens: float) -> dict[str, Any]:
+        del loss_tokens
+        return {"mtp_loss": [s / max(c, 1.0) for s, c in zip(self.sums, self.counts,
+                                                             strict=True)]}

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runtime.adapters.megatron import mcore, moe
+from runtime.adapters.megatron import mcore, moe, mtp
 from runtime.adapters.megatron.cpu_patches import (
     apply_cpu_patches,
     ensure_memory_buffer,
@@ -278,13 +278,34 @@ def moe_utils_names_without_te() -> None:
             setattr(module, name, None)
 
 
+def mtp_gather_uses_model_group() -> None:
+    # transformer/multi_token_prediction.py (0.16.1, _concat_embeddings) gathers eh_proj's
+    # output with gather_from_tensor_model_parallel_region(h) and no group (parallel_state's,
+    # absent here); 0.19 passes the layer's. The group bound around the forward, or none (the
+    # oracle: tp 1), where the gather is the identity (the adapter runs MTP at tp 1 only).
+    module = mcore.multi_token_prediction
+    original = module.gather_from_tensor_model_parallel_region
+    if getattr(original, "_dcp_plan", False):
+        return
+
+    def gather(input_: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        group = group if group is not None else _SP_GROUP.get()
+        if group is None or group.size() == 1:
+            return input_
+        out: torch.Tensor = original(input_, group=group)
+        return out
+
+    gather._dcp_plan = True  # type: ignore[attr-defined]
+    module.gather_from_tensor_model_parallel_region = gather
+
+
 def apply_common_patches() -> None:
     """The device-independent workarounds (idempotent). Call after ``apply_cpu_patches``."""
     for fn in (padding_mask_scatter_uses_model_group, pipeline_messages_tagged,
                quiet_upstream_warnings, sharded_state_uses_model_groups,
                distributed_optimizer_restores_torch_adam_steps, moe_utils_names_without_te,
-               moe.install):
-        once(fn.__name__, fn)
+               moe.install, mtp.install, mtp_gather_uses_model_group):
+        once(f"{fn.__module__}.{fn.__name__}", fn)  # moe.install and mtp.install: two names
 
 
 def te_cp_stream_for_dynamic_groups() -> None:

@@ -117,7 +117,8 @@ class MegatronTrainer:
             chunk = gpt_chunk(model_config, self.config, pg_collection,
                               spec=job.layer_spec(self.config, vp_stage),
                               pre_process=pre_process, post_process=post_process,
-                              vp_stage=vp_stage, max_sequence_length=max_len)
+                              vp_stage=vp_stage, max_sequence_length=max_len,
+                              use_te=job.attention == "te")
             init_weights([chunk], model_config, seed=cfg.seed, tp=self.topology.tp,
                          tp_rank=self.topology.tp_rank)
             return chunk
@@ -156,7 +157,8 @@ class MegatronTrainer:
         if cfg.eval_plan:
             self.evaluator = MegatronEvaluator(cfg, self.reader, self.groups,
                                                num_chunks=len(self.chunks), device=self.device,
-                                               vocab_size=model_config.vocab_size)
+                                               vocab_size=model_config.vocab_size,
+                                               mtp_depth=job.mtp_depth)
 
     @property
     def summary_fields(self) -> dict[str, Any]:
@@ -207,7 +209,7 @@ class MegatronTrainer:
                        skipped=skipped,
                        grad_norm=None if grad_norm is None else float(grad_norm),
                        moe_aux_loss=loss.moe_aux_loss,
-                       moe_tokens_per_expert=loss.moe_tokens_per_expert)
+                       moe_tokens_per_expert=loss.moe_tokens_per_expert, mtp_loss=loss.mtp_loss)
 
     def run_schedule(self, data_iterator: Any, num_microbatches: int, forward_only: bool
                      ) -> list[dict[str, torch.Tensor]]:
@@ -238,7 +240,8 @@ class MegatronTrainer:
         for c in self.chunks:
             names = global_names(c)
             for name, p in unwrap(c).named_parameters():
-                out[names[name]] = p.detach().float().cpu().clone()
+                if p.requires_grad:  # not the MTP stage's unused output weight (gpt_chunk)
+                    out[names[name]] = p.detach().float().cpu().clone()
         return out
 
     def reduced_grads(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

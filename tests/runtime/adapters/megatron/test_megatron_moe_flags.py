@@ -82,13 +82,29 @@ def test_plan_job_refuses_on_every_rank(tmp_path: Path) -> None:
     data = write_dataset(tmp_path / "data.arrow", lengths(long=0), MODEL.vocab_size)
     p = plan(tmp_path / "plan.arrow", data, capacity=32, batch=12, dp=1, cp=2)
     fields = {"moe_expert_capacity_factor": 1.0, "moe_z_loss_coeff": 1e-3,
-              "expert_model_parallel_size": 2}
+              "expert_model_parallel_size": 2, "mtp_num_layers": 1}
     got = run_distributed(_refusal_rank, 2, str(p), str(data), fields, timeout=300)
     assert got[0] == got[1]
     for name in fields:
         assert f"{name}=" in got[0], got[0]
     assert "set None" in got[0]
     assert "set 1" in got[0]
+
+
+def test_mtp_the_adapter_cannot_run_is_refused_with_what_to_use() -> None:
+    # From PlanJob.transformer_config on every rank, as the MoE refusals (above).
+    from types import SimpleNamespace
+
+    from runtime.adapters.megatron import mtp
+
+    config = SimpleNamespace(mtp_num_layers=2, pipeline_model_parallel_layout=None,
+                             mtp_use_repeated_layer=False)
+    mtp.check_config(config, tp=1, vpp=1)  # what the tests run
+    with pytest.raises(ValueError, match="multi-token prediction the adapter cannot run") as e:
+        mtp.check_config(config, tp=2, vpp=2)
+    assert "tensor_model_parallel_size" in str(e.value)
+    assert "plan with --tp 1" in str(e.value)
+    assert "plan without --vpp" in str(e.value)
 
 
 def _mask_rank(rank: int, world: int, store: str) -> dict[str, Any]:
