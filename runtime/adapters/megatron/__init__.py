@@ -19,9 +19,10 @@ imports Megatron-core (a few seconds).
 from __future__ import annotations
 
 from runtime.adapters.megatron.groups import MegatronGroups, groups_from_parallel_state
-from runtime.adapters.megatron.job import PlanJob, StepLoss
+from runtime.adapters.megatron.job import PlanJob
 from runtime.adapters.megatron.launch import launch
 from runtime.adapters.megatron.oracle import train_reference
+from runtime.adapters.megatron.step_loss import StepLoss
 from runtime.adapters.megatron.train import MegatronTrainer
 
 __all__ = [

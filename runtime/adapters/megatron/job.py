@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -66,6 +65,7 @@ from runtime.adapters.megatron.batch import Batch, PlanBatches
 from runtime.adapters.megatron.groups import MegatronGroups, create_groups
 from runtime.adapters.megatron.model import ModelParallel, check_split, layer_spec, plan_fields
 from runtime.adapters.megatron.moe_step import RouterSteps, check_config
+from runtime.adapters.megatron.step_loss import StepLoss, reduce_reports
 from runtime.data.plan_reader import PlanReader
 from runtime.data.plan_source import check_plan_source, open_plan_source
 from runtime.data.tokens import TokenSource
@@ -77,22 +77,6 @@ ModelProvider = Callable[..., nn.Module]
 _SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                  "kv_channels", "ffn_hidden_size", "normalization", "gated_linear_unit")
 """The TransformerConfig fields a checkpoint records as the model's shape (``save``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class StepLoss:
-    """A step's loss: the per-token mean over the pool and the loss tokens it averaged; for a
-    MoE model also the load-balancing term and each layer's tokens per expert."""
-
-    loss: float
-    loss_tokens: int
-    moe_aux_loss: float | None = None
-    """The step's load-balancing term (already weighted by its coefficient: what the gradient
-    adds to the LM loss's); None without a MoE load-balancing loss."""
-    moe_tokens_per_expert: list[list[int]] | None = None
-    """Per MoE layer (global layer order), the step's real tokens routed to each expert."""
-    mtp_loss: list[float] | None = None
-    """Multi-token prediction: each depth's per-token loss over the step (unweighted)."""
 
 
 class PlanJob:
@@ -336,25 +320,13 @@ class PlanJob:
 
     def step_loss(self, reports: list[dict[str, torch.Tensor]]) -> StepLoss:
         """The step's per-token loss on every rank: the last stage's reports summed over the
-        microbatches and the pool, then broadcast along the pipeline."""
-        depth = self.mtp_depth
-        total = torch.zeros(2 + 2 * depth, dtype=torch.float64, device=self.device)
-        for r in reports:
-            total[:2] += r["lm loss"].to(self.device)
-            if depth and "mtp loss" in r:
-                total[2:] += r["mtp loss"].to(self.device)
-        pool = self.groups.catalog.pool_group
-        if pool is not None:
-            dist.all_reduce(total, group=pool)
-        if self.topology.pp > 1:
-            pp_group = self.pg_collection.pp
-            src = dist.get_global_rank(pp_group, pp_group.size() - 1)
-            dist.broadcast(total, src=src, group=pp_group)
-        loss_sum, count, *per_depth = total.tolist()
+        microbatches and the pool, then broadcast along the pipeline (``step_loss.py``)."""
+        loss_sum, count, mtp_loss = reduce_reports(
+            reports, mtp_depth=self.mtp_depth, device=self.device,
+            pool_group=self.groups.catalog.pool_group,
+            pp_group=self.pg_collection.pp if self.topology.pp > 1 else None)
         aux, tokens_per_expert = (self.routers.report(count) if self.routers is not None
                                   else (None, None))
-        mtp_loss = [s / max(c, 1.0) for s, c in zip(per_depth[::2], per_depth[1::2],
-                                                    strict=True)] or None
         return StepLoss(loss=loss_sum / max(count, 1.0), loss_tokens=int(count),
                         moe_aux_loss=aux, moe_tokens_per_expert=tokens_per_expert,
                         mtp_loss=mtp_loss)
