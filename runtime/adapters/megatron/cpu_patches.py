@@ -289,11 +289,20 @@ def moe_on_cpu() -> None:
         _redirect(module)
 
 
+def router_gemm_without_te() -> None:
+    # transformer/moe/moe_utils.py computes the router's logits with Transformer Engine's GEMM
+    # whenever TE imports (te_general_gemm), which takes only CUDA tensors: the fp32 CPU oracle
+    # beside a GPU run (TE installed) failed with "CUDAGuardImpl initialized with non-CUDA
+    # DeviceType: cpu". Without it, moe_utils takes its torch.mm path (the same product).
+    if getattr(mcore.moe_utils, "te_general_gemm", None) is not None:
+        mcore.moe_utils.te_general_gemm = None
+
+
 def apply_cpu_patches() -> None:
     """Every CPU workaround (idempotent). Call before building the model."""
     for fn in (schedules_token_count_on_cpu, p2p_buffers_on_cpu, grad_buffers_on_cpu,
                optimizer_scalars_on_cpu, distributed_optimizer_accepts_cpu_params,
                gradient_clipping_accepts_cpu_grads, checkpoint_writer_on_cpu,
                sequence_parallel_buffers_on_cpu, rotary_on_cpu, rng_tracker_without_cuda,
-               memory_buffer_on_cpu, moe_on_cpu):
+               memory_buffer_on_cpu, moe_on_cpu, router_gemm_without_te):
         once(fn.__name__, fn)

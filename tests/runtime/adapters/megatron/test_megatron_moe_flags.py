@@ -139,3 +139,28 @@ def test_padding_mask_convention_is_probed_from_megatrons_code() -> None:
     (got,) = run_distributed(_mask_rank, 1, backend=None, timeout=300)
     assert got["installed"] == (True, [False, False, True]), got
     assert got["other"] == (False, [True, True, False], [True, True, False]), got
+
+
+def test_router_gemm_on_cpu_without_transformer_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With TE installed (the GPU machines), moe_utils computed the router's logits through TE's
+    GEMM, which takes only CUDA tensors: the CPU oracle beside a GPU run failed. TE does not
+    install here, so its GEMM is stood in for by one that refuses CPU tensors as TE's does; after
+    the patch the CPU router's product is torch's, gradients included."""
+    import torch
+
+    from runtime.adapters.megatron import cpu_patches, mcore
+
+    def te_gemm(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("CUDAGuardImpl initialized with non-CUDA DeviceType: cpu")
+
+    monkeypatch.setattr(mcore.moe_utils, "te_general_gemm", te_gemm, raising=False)
+    inp = torch.randn(5, 8, dtype=torch.float32, requires_grad=True)
+    weight = torch.randn(4, 8, dtype=torch.float32, requires_grad=True)
+    with pytest.raises(RuntimeError, match="non-CUDA"):
+        mcore.moe_utils.router_gating_linear(inp, weight, None, torch.float32)
+    cpu_patches.router_gemm_without_te()
+    out = mcore.moe_utils.router_gating_linear(inp, weight, None, torch.float32)
+    torch.testing.assert_close(out, inp @ weight.t(), rtol=1e-6, atol=1e-6)
+    out.sum().backward()
+    torch.testing.assert_close(inp.grad, weight.detach().sum(0).expand(5, 8))
+    torch.testing.assert_close(weight.grad, inp.detach().sum(0).expand(4, 8))
