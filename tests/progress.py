@@ -34,6 +34,7 @@ class FileProgress:
         self._counts: Counter[str] = Counter()
         self._failed: list[str] = []
         self._done = 0
+        self._last: pytest.Item | None = None
 
     def _reporter(self) -> pytest.TerminalReporter | None:
         tr = self._config.pluginmanager.get_plugin("terminalreporter")
@@ -67,9 +68,15 @@ class FileProgress:
         self, item: pytest.Item, nextitem: pytest.Item | None
     ) -> Generator[None, object, object]:
         result = yield
+        self._last = item
         if nextitem is None or nextitem.path != item.path:
             self._file_done(item)
         return result
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        # A run stopped inside a file (-x, Ctrl-C): that file's line, for what did run.
+        if self._last is not None and self._file_start is not None:
+            self._file_done(self._last)
 
     def _file_done(self, item: pytest.Item) -> None:
         tr = self._reporter()
