@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -46,8 +47,14 @@ def _saved(run: dict[str, Path], name: str, steps: int = 2) -> Path:
     return ck
 
 
-def test_checkpoint_layout_and_manifest(run: dict[str, Path]) -> None:
-    ck = _saved(run, "ck-layout")
+@pytest.fixture(scope="module")
+def saved(run: dict[str, Path]) -> Path:
+    """One run's checkpoint after 2 steps; the tests that damage it damage copies."""
+    return _saved(run, "ck-saved")
+
+
+def test_checkpoint_layout_and_manifest(saved: Path) -> None:
+    ck = saved
     assert (ck / "latest").read_text().strip() == "step-00000002"
     step = ck / "step-00000002"
     manifest = json.loads((step / "manifest.json").read_text())
@@ -58,8 +65,10 @@ def test_checkpoint_layout_and_manifest(run: dict[str, Path]) -> None:
 
 @pytest.mark.parametrize("damage", ["flip3", "truncate", "empty", "delete", "manifest"])
 def test_damaged_checkpoint_is_refused_naming_the_file(
-        run: dict[str, Path], damage: str, capsys: pytest.CaptureFixture[str]) -> None:
-    ck = _saved(run, f"ck-{damage}")
+        run: dict[str, Path], saved: Path, damage: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    ck = run["dir"] / f"ck-{damage}"
+    shutil.copytree(saved, ck)  # a whole, valid checkpoint of its own to damage
     step = ck / "step-00000002"
     state = step / "state.pt"
     data = bytearray(state.read_bytes())
