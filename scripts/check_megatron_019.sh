@@ -11,6 +11,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=${1:-.mcore-0.19.2}
 VERSION=0.19.2
+# 0.19's package_info appends "+<git short sha>" of whatever git repository holds the package
+# directory: DIR is inside this clone, so it would read this project's HEAD (0.19.2+68e103e).
+# NO_VCS_VERSION=1 is Megatron's own switch for a plain release version.
+export NO_VCS_VERSION=1
 ./scripts/dev.sh setup
 if ! PYTHONPATH="$DIR" .venv/bin/python -c \
     "import megatron.core as m, sys; sys.exit(m.__version__ != '$VERSION')" 2>/dev/null; then
