@@ -24,7 +24,7 @@ if ! PYTHONPATH="$DIR" .venv/bin/python -c \
 fi
 PYTHONPATH="$DIR" .venv/bin/python -c "
 import megatron.core as m
-from runtime.adapters.megatron import mcore
+from runtime.adapters.megatron.compat import mcore
 assert m.__version__ == '$VERSION' == mcore.VERSION, (m.__version__, mcore.VERSION)
 print('megatron-core', m.__version__, 'from', m.__file__)"
 PYTHONPATH="$DIR" .venv/bin/python -m pytest -q -m 'not gpu' \

@@ -19,7 +19,7 @@ from typing import Any
 
 FRAMEWORKS: dict[str, str] = {
     "native": "runtime.train.cli",
-    "megatron": "runtime.adapters.megatron.launch",
+    "megatron": "runtime.adapters.megatron.trainer.launch",
     "torchtitan": "runtime.adapters.torchtitan.launch",
 }
 

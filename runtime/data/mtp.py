@@ -15,9 +15,10 @@ side, which reads every needed row whole, prepares per microbatch (``mtp_inputs`
 - ``successor``: for each slot, where the next position of its sequence sits among the CP
   group's slots (index into the group's slots, rank-major: ``cp_rank * slots + j``), -1 at a
   sequence's last real token and on padding. Megatron's MTP layers shift their own inputs (the
-  token ids and positions they embed) by one per layer; ``megatron/mtp.py`` makes that shift
-  a gather through this map, exact whatever the CP size, instead of Megatron's roll (which
-  reads the real lengths as if they were split evenly over the ranks).
+  token ids and positions they embed) by one per layer; the Megatron adapter's
+  ``binding/mtp.py`` makes that shift a gather through this map, exact whatever the CP size,
+  instead of Megatron's roll (which reads the real lengths as if they were split evenly over
+  the ranks).
 
 Both are the single-sequence rule applied to each sequence: the oracle runs every segment
 alone and shifts its labels within the segment (``torch.roll``-and-zero, Megatron's rule for

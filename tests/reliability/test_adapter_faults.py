@@ -74,7 +74,7 @@ def _nonfinite(train: Any, cfg: TrainConfig) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ Megatron
 
 def _megatron_groups(rank: int, world: int, store: str, tp: int, pp: int) -> list[float]:
-    from runtime.adapters.megatron.groups import create_groups
+    from runtime.adapters.megatron.binding.groups import create_groups
     from runtime.dist.topology import Topology
 
     topo = Topology(world_size=world, rank=rank, dp=1, cp=world // (tp * pp), tp=tp, pp=pp)

@@ -287,10 +287,10 @@ def test_torchtitan_runs_quiet_unless_verbose(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_megatron_runs_quiet_unless_verbose(tmp_path: Path) -> None:
-    """Megatron's known warnings (runtime.adapters.megatron.known_warnings) are off by default
-    and shown with --verbose: a resumed one-process Megatron run prints three otherwise (torch's
-    load_state_dict and ShardedTensor deprecations from dist_checkpointing's load), and says
-    where it continues."""
+    """Megatron's known warnings (runtime.adapters.megatron.compat.known_warnings) are off by
+    default and shown with --verbose: a resumed one-process Megatron run prints three otherwise
+    (torch's load_state_dict and ShardedTensor deprecations from dist_checkpointing's load), and
+    says where it continues."""
     pytest.importorskip("megatron.core")
     data = write_token_jsonl(tmp_path / "d.jsonl")
     plan = pool1_plan(main, data, tmp_path / "p.arrow")
@@ -307,7 +307,7 @@ def test_megatron_runs_quiet_unless_verbose(tmp_path: Path) -> None:
     assert "Warning" not in run("--steps", "1", "--save", str(ckpt))
     quiet = run("--steps", "2", "--resume", str(ckpt))   # no --save: the next run resumes alike
     verbose = run("--steps", "2", "--resume", str(ckpt), "--verbose")
-    from runtime.adapters.megatron.known_warnings import KNOWN_WARNINGS
+    from runtime.adapters.megatron.compat.known_warnings import KNOWN_WARNINGS
 
     for known in KNOWN_WARNINGS:
         assert not re.search(known.message, quiet), known.message

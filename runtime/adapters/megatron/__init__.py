@@ -18,12 +18,12 @@ imports Megatron-core (a few seconds).
 
 from __future__ import annotations
 
-from runtime.adapters.megatron.groups import MegatronGroups, groups_from_parallel_state
+from runtime.adapters.megatron.binding.groups import MegatronGroups, groups_from_parallel_state
+from runtime.adapters.megatron.binding.step_loss import StepLoss
 from runtime.adapters.megatron.job import PlanJob
-from runtime.adapters.megatron.launch import launch
-from runtime.adapters.megatron.oracle import train_reference
-from runtime.adapters.megatron.step_loss import StepLoss
-from runtime.adapters.megatron.train import MegatronTrainer
+from runtime.adapters.megatron.trainer.launch import launch
+from runtime.adapters.megatron.trainer.oracle import train_reference
+from runtime.adapters.megatron.trainer.train import MegatronTrainer
 
 __all__ = [
     "MegatronGroups",

@@ -21,32 +21,18 @@ brings the data, the per-microbatch CP groups and the loss. After ``init_process
         if job.grads_finite(step, loss, model):  # main_grad on every rank, one verdict
             optimizer.step()
 
-What each piece does:
-
-- ``PlanJob(plan, dataset)``: opens the plan and its dataset (bad records as planned,
-  fingerprints checked: ``open_plan_source``), applies the upstream workarounds
-  (``patches``), and creates every process group (``create_groups``) unless ``groups`` is
-  given (``groups_from_parallel_state`` keeps Megatron's own).
-- ``transformer_config(**fields)``: Megatron's ``TransformerConfig`` with the fields a plan
-  fixes (tp, pp, vpp, sequence parallelism from the header; per-token loss; variable THD
-  lengths; no static CP; bf16 when ``dtype="bf16"``; ``finalize_model_grads`` as the
-  finalize hook) over the caller's model fields; a caller field that contradicts the plan is
-  a ``ValueError``.
-- ``get_model(provider, ddp_config)``: Megatron-LM's ``get_model``: one chunk per virtual
-  stage from ``provider(pre_process=, post_process=, vp_stage=, pg_collection=)``, moved to the
-  device, ``Float16Module`` under bf16, wrapped in Megatron's ``DistributedDataParallel`` over
-  the pool; the schedules' DDP hooks are set on the config (``ddp.schedule_hooks``).
-- ``get_optimizer(optimizer_config, model)``: ``get_megatron_optimizer`` with the job's groups.
-- ``forward_step``: the ``forward_step_func``: binds the microbatch's CP group into every layer
-  (RoPE included) for the forward and returns the per-token loss (``loss.loss_func``).
-- ``data_iterator(step, model)`` / ``num_microbatches(step)``: the step's batches (one iterator
-  per chunk under vpp) and their count, which varies by step.
-- ``step_loss(reports)``, ``grads_finite(...)``, ``save`` / ``load`` (Megatron's
-  ``dist_checkpointing``, atomic and verified: ``checkpoint.py``).
-- A MoE model (``num_moe_experts``): ``transformer_config`` refuses what the adapter cannot run
-  under dynamic CP (``moe_step.check_config``); ``data_iterator(step, model)`` opens the step's
-  routing statistics (and runs ``global_aux_loss``'s statistics pass); ``step_loss`` reports the
-  load-balancing term and tokens per expert (``moe.py`` has the definitions).
+What each piece does (each method's docstring has the details): the constructor opens the plan
+and its dataset (bad records as planned, fingerprints checked), installs the workarounds and
+hooks (``binding.install``) and creates every process group unless ``groups`` is given
+(``groups_from_parallel_state`` keeps Megatron's own). ``transformer_config`` adds the fields a
+plan fixes (tp, pp, vpp, sequence parallelism, per-token loss, variable THD lengths, no static
+CP, bf16) to the caller's and refuses one that contradicts them, and a MoE feature the binding
+cannot run (``routers.check_config``). ``get_model`` is Megatron-LM's ``get_model`` over the
+pool (chunks per virtual stage, ``Float16Module`` under bf16, Megatron's DDP and the schedules'
+hooks). ``data_iterator`` / ``num_microbatches`` give a step's batches and count (which vary by
+step; a MoE model's routing statistics open there), ``forward_step`` binds each microbatch
+(``binding/forward.py``), ``step_loss`` / ``grads_finite`` reduce a step, ``save`` / ``load``
+go through ``dist_checkpointing`` (``parallel/checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -60,12 +46,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.adapters.megatron import ddp, forward, mcore, mtp, patches
-from runtime.adapters.megatron.batch import Batch, PlanBatches
-from runtime.adapters.megatron.groups import MegatronGroups, create_groups
-from runtime.adapters.megatron.model import ModelParallel, check_split, layer_spec, plan_fields
-from runtime.adapters.megatron.moe_step import RouterSteps, check_config
-from runtime.adapters.megatron.step_loss import StepLoss, reduce_reports
+from runtime.adapters.megatron.binding import mtp
+from runtime.adapters.megatron.binding.batch import Batch, PlanBatches
+from runtime.adapters.megatron.binding.forward import ForwardOptions, forward_step
+from runtime.adapters.megatron.binding.groups import MegatronGroups, create_groups
+from runtime.adapters.megatron.binding.install import install
+from runtime.adapters.megatron.binding.routers import RouterSteps, check_config
+from runtime.adapters.megatron.binding.step_loss import StepLoss, reduce_reports
+from runtime.adapters.megatron.compat import mcore, patches
+from runtime.adapters.megatron.model.gpt import ModelParallel, check_split, layer_spec, plan_fields
+from runtime.adapters.megatron.parallel import ddp
 from runtime.data.plan_reader import PlanReader
 from runtime.data.plan_source import check_plan_source, open_plan_source
 from runtime.data.tokens import TokenSource
@@ -108,7 +98,7 @@ class PlanJob:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        patches.apply_patches(self.device)
+        install(self.device)
         self._owned: list[Any] = []
         if isinstance(plan, PlanReader):
             reader = plan
@@ -209,7 +199,8 @@ class PlanJob:
         self.config = config
         self.routers = None
         if config.num_moe_experts:
-            self.routers = RouterSteps(self, config)
+            self.routers = RouterSteps(config, groups=self.groups, device=self.device,
+                                       sequence_parallel=self.parallel.sequence_parallel)
         return config
 
     def layer_spec(self, config: mcore.TransformerConfig, vp_stage: int | None = None) -> object:
@@ -254,18 +245,8 @@ class PlanJob:
             if config.bf16:
                 chunk = mcore.Float16Module(config, chunk)
             chunks.append(chunk)
-        if ddp_config is not None:
-            wrapped: list[nn.Module] = [
-                mcore.DistributedDataParallel(config, ddp_config, c, disable_bucketing=i > 0,
-                                              pg_collection=self.pg_collection)
-                for i, c in enumerate(chunks)]
-            options = MegatronOptions(
-                use_distributed_optimizer=ddp_config.use_distributed_optimizer,
-                overlap_grad_reduce=ddp_config.overlap_grad_reduce,
-                overlap_param_gather=ddp_config.overlap_param_gather)
-        else:
-            wrapped = ddp.wrap_chunks(chunks, config, self.pg_collection,
-                                      self.groups.pool_group, options)
+        wrapped, options = ddp.wrap_chunks(chunks, config, self.pg_collection,
+                                           self.groups.pool_group, options, ddp_config)
         ddp.schedule_hooks(config, wrapped, options)
         self.options = options
         if pp > 1:
@@ -301,8 +282,28 @@ class PlanJob:
         routing before any backward: ``moe.py``), so pass the model then (collective).
         """
         if self.routers is not None:
-            self.routers.begin(step, model)
+            self.routers.begin(self.batches.step_tokens(step))
+            if self.routers.needs_counts:
+                if model is None:
+                    raise ValueError("global_aux_loss: pass the model to data_iterator(step, "
+                                     "model) (the step's routing statistics need a forward "
+                                     "pass)")
+                with self.routers.counting():
+                    self._statistics_pass(step, list(model))
         return self.batches.data_iterator(step)
+
+    def _statistics_pass(self, step: int, chunks: list[nn.Module]) -> None:
+        # global_aux_loss: the step's forward through Megatron's own schedule (PP included),
+        # routing only: every microbatch's counts before any backward needs them.
+        schedule = mcore.get_forward_backward_func(pp_size=self.pp, vp_size=self.vp_size)
+
+        def counting_step(data_iterator: Iterator[Batch], model: nn.Module) -> tuple[Any, Any]:
+            return self.forward_step(data_iterator, model, counting=True)
+
+        schedule(forward_step_func=counting_step, data_iterator=self.batches.data_iterator(step),
+                 model=chunks if len(chunks) > 1 else chunks[0],
+                 num_microbatches=self.num_microbatches(step), seq_length=self.seq_length,
+                 micro_batch_size=1, forward_only=True, **self.schedule_kwargs)
 
     @property
     def schedule_kwargs(self) -> dict[str, Any]:
@@ -314,9 +315,24 @@ class PlanJob:
 
     def forward_step(self, data_iterator: Iterator[Batch], model: nn.Module, *,
                      counting: bool = False) -> tuple[Any, Any]:
-        """Megatron's ``forward_step_func``: one microbatch through one chunk (``forward.py``;
-        ``counting``: ``global_aux_loss``'s statistics pass, forward only, no loss)."""
-        return forward.forward_step(self, next(data_iterator), model, counting=counting)
+        """Megatron's ``forward_step_func``: one microbatch through one chunk
+        (``binding/forward.py``; ``counting``: ``global_aux_loss``'s statistics pass, forward
+        only, no loss)."""
+        return forward_step(next(data_iterator), model, self.forward_options, counting=counting)
+
+    @property
+    def forward_options(self) -> ForwardOptions:
+        """What ``forward_step`` binds besides the microbatch's groups (from the config)."""
+        config = self.config
+        dtype = self.parallel.dtype
+        autocast = None
+        if dtype != torch.float32 and not (config is not None and config.bf16):
+            autocast = (self.device.type, dtype)  # PoolGradSync's bf16
+        scaling = 0.0
+        if config is not None and self.mtp_depth:
+            scaling = float(config.mtp_loss_scaling_factor)
+        return ForwardOptions(tp_group=self.pg_collection.tp, routers=self.routers,
+                              autocast=autocast, mtp_loss_scaling_factor=scaling)
 
     def step_loss(self, reports: list[dict[str, torch.Tensor]]) -> StepLoss:
         """The step's per-token loss on every rank: the last stage's reports summed over the
@@ -352,7 +368,7 @@ class PlanJob:
              scheduler: Any = None, meta: dict[str, Any] | None = None) -> Any:
         """Checkpoint through Megatron's ``dist_checkpointing`` (collective; ``checkpoint``):
         ``DIR/step-<next_step>``, made the latest once complete."""
-        from runtime.adapters.megatron import checkpoint
+        from runtime.adapters.megatron.parallel import checkpoint
 
         return checkpoint.save(directory, chunks=model, optimizer=optimizer,
                                scheduler=scheduler, groups=self.groups, options=self.options,
@@ -362,7 +378,7 @@ class PlanJob:
              scheduler: Any = None, meta: dict[str, Any] | None = None) -> int:
         """Restore a checkpoint (or the latest under ``directory``) after verifying it;
         collective. Returns the step to continue at."""
-        from runtime.adapters.megatron import checkpoint
+        from runtime.adapters.megatron.parallel import checkpoint
 
         resumed = checkpoint.load(directory, chunks=model, optimizer=optimizer,
                                   scheduler=scheduler, groups=self.groups, options=self.options,

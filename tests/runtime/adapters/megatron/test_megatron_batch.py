@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runtime.adapters.megatron.batch import packed_seq_params, padding_mask
+from runtime.adapters.megatron.binding.batch import packed_seq_params, padding_mask
 from runtime.data.batch import build_microbatch
 from runtime.data.plan_reader import PlanReader
 from runtime.data.shard import zigzag_indices_np

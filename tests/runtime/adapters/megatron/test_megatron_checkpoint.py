@@ -2,8 +2,8 @@
 
 A resumed run equals the uninterrupted one bit for bit (losses and parameters): with PP 2 and
 the distributed optimizer, and with dp 2 x cp 2, the distributed optimizer and every overlap.
-The native trainer's checkpoint rules hold (``runtime.adapters.megatron.checkpoint``): one unit
-renamed into place, the target checked before the first step, a damaged or mismatched
+The native trainer's checkpoint rules hold (``runtime.adapters.megatron.parallel.checkpoint``):
+one unit renamed into place, the target checked before the first step, a damaged or mismatched
 checkpoint refused naming the file, nothing of the user's deleted, and metadata that would run
 code refused before anything unpickles it. Real gloo ranks, the real package.
 """

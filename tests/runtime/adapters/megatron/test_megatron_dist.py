@@ -186,7 +186,7 @@ def _scaled_loss_rank(rank: int, world_size: int, store: str, config: TrainConfi
                       model: GPTConfig) -> dict[str, Any]:
     """A copy of the run whose backward starts from 1.01 x the loss (the logged loss is not
     scaled): a gradient-scale bug such as a wrong token count."""
-    import runtime.adapters.megatron.forward as job
+    import runtime.adapters.megatron.binding.forward as job
 
     original = job.loss_func
 

@@ -1,8 +1,8 @@
 """Mixture-of-experts through Megatron-core under runtime CP equals the one-process oracle.
 
-What equivalence means (``runtime.adapters.megatron.moe``): the step's load-balancing term is
-``coeff * sum_layers sum_units (|U| / N) LB(U)`` over units U of real tokens, N the step's loss
-tokens. ``seq_aux_loss`` (a unit per sequence) and ``global_aux_loss`` (the whole step) do not
+What equivalence means (``runtime.adapters.megatron.binding.moe``): the step's load-balancing
+term is ``coeff * sum_layers sum_units (|U| / N) LB(U)`` over units U of real tokens, N the step's
+loss tokens. ``seq_aux_loss`` (a unit per sequence) and ``global_aux_loss`` (the whole step) do not
 depend on the packing, so the distributed runs equal the oracle that runs every segment alone;
 ``aux_loss`` balances each microbatch's CP group, so its oracle groups the segments as the plan
 packs them. Compared every step (fp32, relative 1e-5): the LM loss, the load-balancing term,

@@ -64,7 +64,7 @@ def _refusal_rank(rank: int, world: int, store: str, plan_path: str, data: str,
                   fields: dict[str, Any]) -> str:
     del rank, world, store
     from runtime.adapters.megatron import PlanJob
-    from runtime.adapters.megatron.model import shape_fields
+    from runtime.adapters.megatron.model.gpt import shape_fields
 
     job = PlanJob(plan_path, data)
     try:
@@ -95,7 +95,7 @@ def test_mtp_the_adapter_cannot_run_is_refused_with_what_to_use() -> None:
     # From PlanJob.transformer_config on every rank, as the MoE refusals (above).
     from types import SimpleNamespace
 
-    from runtime.adapters.megatron import mtp
+    from runtime.adapters.megatron.binding import mtp
 
     config = SimpleNamespace(mtp_num_layers=2, pipeline_model_parallel_layout=None,
                              mtp_use_repeated_layer=False)
@@ -111,7 +111,8 @@ def _mask_rank(rank: int, world: int, store: str) -> dict[str, Any]:
     del rank, world, store
     import torch
 
-    from runtime.adapters.megatron import mcore, moe
+    from runtime.adapters.megatron.binding import moe
+    from runtime.adapters.megatron.compat import mcore
 
     real = torch.tensor([True, True, False])
     installed = (moe.mask_marks_padding(), moe.megatron_padding_mask(real).tolist())
@@ -148,7 +149,7 @@ def test_router_gemm_on_cpu_without_transformer_engine(monkeypatch: pytest.Monke
     the patch the CPU router's product is torch's, gradients included."""
     import torch
 
-    from runtime.adapters.megatron import cpu_patches, mcore
+    from runtime.adapters.megatron.compat import cpu_patches, mcore
 
     def te_gemm(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("CUDAGuardImpl initialized with non-CUDA DeviceType: cpu")

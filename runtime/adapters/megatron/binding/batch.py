@@ -39,8 +39,8 @@ import numpy as np
 import torch
 
 from planner.groups import ZIGZAG
-from runtime.adapters.megatron import mcore
-from runtime.adapters.megatron.groups import MegatronGroups
+from runtime.adapters.megatron.binding.groups import MegatronGroups
+from runtime.adapters.megatron.compat import mcore
 from runtime.data.batch import MicrobatchInputs, build_microbatch, to_device
 from runtime.data.mtp import mtp_inputs
 from runtime.data.plan_reader import GroupRows, PlanReader

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from runtime.adapters.megatron import mcore
+from runtime.adapters.megatron.compat import mcore
 
 _applied: set[str] = set()
 

@@ -37,11 +37,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.adapters.megatron import checkpoint, ddp, mcore, optim
-from runtime.adapters.megatron.evaluate import MegatronEvaluator
-from runtime.adapters.megatron.groups import MegatronGroups
+from runtime.adapters.megatron.binding.groups import MegatronGroups
+from runtime.adapters.megatron.compat import mcore
 from runtime.adapters.megatron.job import PlanJob
-from runtime.adapters.megatron.model import (
+from runtime.adapters.megatron.model.gpt import (
     global_names,
     gpt_chunk,
     init_weights,
@@ -49,6 +48,8 @@ from runtime.adapters.megatron.model import (
     shape_fields,
     unwrap,
 )
+from runtime.adapters.megatron.parallel import checkpoint, ddp, optim
+from runtime.adapters.megatron.trainer.evaluate import MegatronEvaluator
 from runtime.data.plan_reader import PlanReader
 from runtime.data.tokens import TokenSource
 from runtime.train import checkpoint as native_checkpoint

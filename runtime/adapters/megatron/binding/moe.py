@@ -58,7 +58,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,7 +66,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from runtime.adapters.megatron import mcore
+from runtime.adapters.megatron.compat import mcore
 
 _BOUND: contextvars.ContextVar[RouterContext | None] = contextvars.ContextVar(
     "megatron_router_context", default=None)
@@ -199,71 +199,70 @@ def _reduced(counts: Tensor, group: dist.ProcessGroup) -> Tensor:
     return counts
 
 
-def _aux_loss(original: Any) -> Any:
-    def apply(self: Any, probs: Tensor, scores: Tensor, routing_map: Tensor, *args: Any,
-              **kwargs: Any) -> Tensor:
-        ctx = _BOUND.get()
-        if ctx is None:
-            out: Tensor = original(self, probs, scores, routing_map, *args, **kwargs)
-            return out
-        coeff = self.get_aux_loss_coeff("aux_loss")
-        if coeff == 0:
-            return probs
-        # One unit: the group's packed buffer, counts over its TP x CP ranks.
-        counts = _reduced(routing_map.sum(0).to(scores.dtype), ctx.tp_cp_group)
-        weight = coeff * self.config.num_moe_experts / (self.topk * max(ctx.group_tokens, 1))
-        return _attach(self, ctx, probs, weight * (scores.sum(0) * counts).sum())
-    return apply
+LoadBalancingTerm = Callable[[Any, RouterContext, Tensor, Tensor, float], Tensor]
+"""A load-balancing term: (router, bound context, scores, routing map, coefficient) -> the
+microbatch's term (its share of the step's, before it is attached to the probabilities)."""
 
 
-def _seq_aux_loss(original: Any) -> Any:
-    def apply(self: Any, probs: Tensor, scores: Tensor, routing_map: Tensor, *args: Any,
-              **kwargs: Any) -> Tensor:
-        ctx = _BOUND.get()
-        if ctx is None:
-            out: Tensor = original(self, probs, scores, routing_map, *args, **kwargs)
-            return out
-        coeff = self.get_aux_loss_coeff("seq_aux_loss")
-        if coeff == 0:
-            return probs
-        # One unit per THD sequence: its counts over the group's TP x CP ranks. Padding slots
-        # carry zero scores and no choice (masked by Megatron), whatever row they sit in.
-        ids = ctx.seq_index
-        if ids.numel() != scores.shape[0]:
-            raise AssertionError(f"router sees {scores.shape[0]} tokens, the batch "
-                                 f"{ids.numel()}")
-        rows = ctx.seq_tokens.numel()
-        experts = self.config.num_moe_experts
-        counts = torch.zeros(rows, experts, dtype=scores.dtype, device=scores.device)
-        counts.index_add_(0, ids, routing_map.to(scores.dtype))
-        counts = _reduced(counts, ctx.tp_cp_group)
-        sums = torch.zeros(rows, experts, dtype=scores.dtype, device=scores.device).index_add(
-            0, ids, scores)
-        weight = coeff * experts / (self.topk * ctx.seq_tokens.to(scores.dtype).clamp(min=1))
-        return _attach(self, ctx, probs, (weight[:, None] * counts * sums).sum())
-    return apply
+def _load_balancing(kind: str, term: LoadBalancingTerm) -> Callable[[Any], Any]:
+    """Megatron's ``_apply_<kind>`` replaced by ``term`` while a plan microbatch is bound:
+    Megatron's own method outside one, the probabilities unchanged at coefficient 0."""
+    def wrap(original: Any) -> Any:
+        def apply(self: Any, probs: Tensor, scores: Tensor, routing_map: Tensor, *args: Any,
+                  **kwargs: Any) -> Tensor:
+            ctx = _BOUND.get()
+            if ctx is None:
+                out: Tensor = original(self, probs, scores, routing_map, *args, **kwargs)
+                return out
+            coeff = self.get_aux_loss_coeff(kind)
+            if coeff == 0:
+                return probs
+            return _attach(self, ctx, probs, term(self, ctx, scores, routing_map, coeff))
+        return apply
+    return wrap
 
 
-def _global_aux_loss(original: Any) -> Any:
-    def apply(self: Any, probs: Tensor, scores: Tensor, routing_map: Tensor, *args: Any,
-              **kwargs: Any) -> Tensor:
-        ctx = _BOUND.get()
-        if ctx is None:
-            out: Tensor = original(self, probs, scores, routing_map, *args, **kwargs)
-            return out
-        coeff = self.get_aux_loss_coeff("global_aux_loss")
-        if coeff == 0:
-            return probs
-        step = ctx.step
-        if step.global_counts is None:
-            raise ValueError("global_aux_loss needs the step's routing statistics first: pass "
-                             "the model to PlanJob.data_iterator(step, model)")
-        layer = _layer(self, step)
-        step.counted[layer] += routing_map.sum(0).to(torch.float64)
-        counts = step.global_counts[layer].to(scores.dtype)
-        weight = coeff * self.config.num_moe_experts / (self.topk * max(step.step_tokens, 1))
-        return _attach(self, ctx, probs, weight * (scores.sum(0) * counts).sum())
-    return apply
+def _aux_loss_term(router: Any, ctx: RouterContext, scores: Tensor, routing_map: Tensor,
+                   coeff: float) -> Tensor:
+    # One unit: the group's packed buffer, counts over its TP x CP ranks.
+    counts = _reduced(routing_map.sum(0).to(scores.dtype), ctx.tp_cp_group)
+    weight = coeff * router.config.num_moe_experts / (router.topk * max(ctx.group_tokens, 1))
+    term: Tensor = weight * (scores.sum(0) * counts).sum()
+    return term
+
+
+def _seq_aux_loss_term(router: Any, ctx: RouterContext, scores: Tensor, routing_map: Tensor,
+                       coeff: float) -> Tensor:
+    # One unit per THD sequence: its counts over the group's TP x CP ranks. Padding slots
+    # carry zero scores and no choice (masked by Megatron), whatever row they sit in.
+    ids = ctx.seq_index
+    if ids.numel() != scores.shape[0]:
+        raise AssertionError(f"router sees {scores.shape[0]} tokens, the batch {ids.numel()}")
+    rows = ctx.seq_tokens.numel()
+    experts = router.config.num_moe_experts
+    counts = torch.zeros(rows, experts, dtype=scores.dtype, device=scores.device)
+    counts.index_add_(0, ids, routing_map.to(scores.dtype))
+    counts = _reduced(counts, ctx.tp_cp_group)
+    sums = torch.zeros(rows, experts, dtype=scores.dtype, device=scores.device).index_add(
+        0, ids, scores)
+    weight = coeff * experts / (router.topk * ctx.seq_tokens.to(scores.dtype).clamp(min=1))
+    term: Tensor = (weight[:, None] * counts * sums).sum()
+    return term
+
+
+def _global_aux_loss_term(router: Any, ctx: RouterContext, scores: Tensor, routing_map: Tensor,
+                          coeff: float) -> Tensor:
+    # One unit: the step; its counts come from the statistics pass (routers.RouterSteps).
+    step = ctx.step
+    if step.global_counts is None:
+        raise ValueError("global_aux_loss needs the step's routing statistics first: pass "
+                         "the model to PlanJob.data_iterator(step, model)")
+    layer = _layer(router, step)
+    step.counted[layer] += routing_map.sum(0).to(torch.float64)
+    counts = step.global_counts[layer].to(scores.dtype)
+    weight = coeff * router.config.num_moe_experts / (router.topk * max(step.step_tokens, 1))
+    term: Tensor = weight * (scores.sum(0) * counts).sum()
+    return term
 
 
 def install() -> None:
@@ -273,7 +272,8 @@ def install() -> None:
     if getattr(cls, "_dcp_plan_routing", False):
         return
     cls.routing = _routing(cls.routing)
-    cls._apply_aux_loss = _aux_loss(cls._apply_aux_loss)
-    cls._apply_seq_aux_loss = _seq_aux_loss(cls._apply_seq_aux_loss)
-    cls._apply_global_aux_loss = _global_aux_loss(cls._apply_global_aux_loss)
+    for kind, term in (("aux_loss", _aux_loss_term), ("seq_aux_loss", _seq_aux_loss_term),
+                       ("global_aux_loss", _global_aux_loss_term)):
+        name = f"_apply_{kind}"
+        setattr(cls, name, _load_balancing(kind, term)(getattr(cls, name)))
     cls._dcp_plan_routing = True

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime.adapters.megatron.batch import Batch, PlanBatches
-from runtime.adapters.megatron.groups import MegatronGroups
+from runtime.adapters.megatron.binding.batch import Batch, PlanBatches
+from runtime.adapters.megatron.binding.groups import MegatronGroups
 from runtime.data.evaluation import EvalSchedule, check_eval_layout
 from runtime.data.plan_reader import PlanReader
 from runtime.data.plan_source import open_plan_source

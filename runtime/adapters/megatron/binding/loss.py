@@ -18,6 +18,8 @@ global ``parallel_state`` and cannot run on a model built from a ``pg_collection
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -65,3 +67,9 @@ def loss_func(labels: Tensor, loss_mask: Tensor, output: Tensor, *,
         reports["mtp loss"] = torch.stack(parts)
     return loss_sum, num_tokens, reports
 
+
+
+def no_loss(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """The statistics pass's loss function (``global_aux_loss``): nothing to learn, nothing to
+    report."""
+    return output.sum() * 0, torch.zeros((), dtype=torch.int, device=output.device), {}

@@ -31,8 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.adapters.megatron import mcore, mtp
-from runtime.adapters.megatron.attention import (
+from runtime.adapters.megatron.binding import mtp
+from runtime.adapters.megatron.compat import mcore
+from runtime.adapters.megatron.model.attention import (
     PlanCoreAttention,
     SequenceCoreAttention,
     SequenceParallelRMSNorm,

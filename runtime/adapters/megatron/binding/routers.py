@@ -1,38 +1,36 @@
-"""A MoE model's per-step routing bookkeeping for ``PlanJob``, and what it refuses.
+"""A MoE model's per-step routing bookkeeping, and what it refuses.
 
-``RouterSteps`` is the part of ``PlanJob`` that only a MoE model has (``moe.py`` is the
+``RouterSteps`` is the part of a plan's job that only a MoE model has (``moe.py`` is the
 mechanism inside Megatron's router):
 
-- ``begin(step, model)`` (from ``PlanJob.data_iterator``): a fresh ``StepRouting`` for the step;
-  with ``global_aux_loss``, first the step's forward-only statistics pass through Megatron's
-  schedule (``forward_step(counting=True)``: routing only, no loss), whose per-layer top-k
-  counts are summed over every rank (one all-reduce of [layers, E]);
-- ``bind(batch)`` (from ``PlanJob.forward_step``): the microbatch's rows and TP x CP group for
+- ``begin(step_tokens)`` (from ``PlanJob.data_iterator``): a fresh ``StepRouting`` for the step;
+  with ``global_aux_loss`` (``needs_counts``) the caller then runs the step's forward-only
+  statistics pass through Megatron's schedule inside ``counting()`` (``forward_step(...,
+  counting=True)``: routing only, no loss), whose per-layer top-k counts are summed over every
+  rank (one all-reduce of [layers, E]) when it closes;
+- ``bind(batch)`` (from ``forward.forward_step``): the microbatch's rows and TP x CP group for
   the replaced load-balancing methods, for the forward;
 - ``report(loss_tokens)`` (from ``PlanJob.step_loss``): one all-reduce of the step's tokens per
   expert and attached terms, the load-balancing term divided by the step's loss tokens, and
   the check that the training forward routed as the statistics pass did.
 
-``check_config`` refuses, at ``PlanJob.transformer_config`` (so on every rank, before the model
-exists), every MoE feature the adapter does not run under dynamic CP, saying what to use.
+``check_config`` refuses, before the model exists (so on every rank), every MoE feature the
+adapter does not run under dynamic CP, saying what to use.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from runtime.adapters.megatron import mcore, moe
+from runtime.adapters.megatron.binding import moe
+from runtime.adapters.megatron.binding.batch import Batch
+from runtime.adapters.megatron.binding.groups import MegatronGroups
 from runtime.train.megatron_options import LOAD_BALANCING_TYPES
-
-if TYPE_CHECKING:
-    from runtime.adapters.megatron.batch import Batch
-    from runtime.adapters.megatron.job import PlanJob
 
 
 def load_balancing_types(config: Any) -> list[str]:
@@ -92,11 +90,22 @@ def check_config(config: Any, *, tp: int, sequence_parallel: bool) -> None:
 
 
 class RouterSteps:
-    """The routing statistics of each step of ``job`` (a MoE model; see the module
-    docstring)."""
+    """The routing statistics of each step of a MoE model (see the module docstring).
 
-    def __init__(self, job: PlanJob, config: Any) -> None:
-        self.job, self.config = job, config
+    Args:
+        config: the model's ``TransformerConfig``.
+        groups: the job's groups (the TP x CP group of each microbatch's CP group).
+        device: where the statistics live (the model's device).
+        sequence_parallel: whether the model runs sequence parallelism (the router then sees
+            this TP rank's slice of the microbatch).
+    """
+
+    def __init__(self, config: Any, *, groups: MegatronGroups, device: torch.device,
+                 sequence_parallel: bool) -> None:
+        self.config, self.groups, self.device = config, groups, device
+        topology = groups.topology
+        self.tp, self.tp_rank = topology.tp, topology.tp_rank
+        self.sequence_parallel = sequence_parallel
         kinds = load_balancing_types(config)
         coeffs = config.moe_aux_loss_coeff
         coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs] * len(kinds)
@@ -106,38 +115,40 @@ class RouterSteps:
     def _new(self, step_tokens: int) -> moe.StepRouting:
         return moe.StepRouting(num_layers=self.config.num_layers,
                                num_experts=self.config.num_moe_experts,
-                               step_tokens=step_tokens, device=self.job.device)
+                               step_tokens=step_tokens, device=self.device)
 
-    def begin(self, step: int, model: Sequence[nn.Module] | None) -> None:
-        """Open ``step``'s statistics (and run ``global_aux_loss``'s pass over ``model``)."""
-        job = self.job
-        self.routing = self._new(job.batches.step_tokens(step))
-        if "global_aux_loss" not in self.active:
-            return
-        if model is None:
-            raise ValueError("global_aux_loss: pass the model to data_iterator(step, model) "
-                             "(the step's routing statistics need a forward pass)")
-        chunks = list(model)
-        schedule = mcore.get_forward_backward_func(pp_size=job.pp, vp_size=job.vp_size)
+    @property
+    def needs_counts(self) -> bool:
+        """Whether a step needs its statistics pass first (``global_aux_loss``)."""
+        return "global_aux_loss" in self.active
+
+    def begin(self, step_tokens: int) -> None:
+        """Open a step's statistics (``step_tokens``: its real tokens over every rank)."""
+        self.routing = self._new(step_tokens)
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        """Around the step's statistics pass (forward only, ``counting=True``): on exit the
+        counts it made are summed over every rank and kept as the step's (collective)."""
+        routing = self.routing
+        if routing is None:
+            raise AssertionError("counting() before begin()")
         with torch.no_grad():
-            schedule(forward_step_func=_counting(job), data_iterator=job.batches.data_iterator(
-                         step), model=chunks if len(chunks) > 1 else chunks[0],
-                     num_microbatches=job.num_microbatches(step), seq_length=job.seq_length,
-                     micro_batch_size=1, forward_only=True, **job.schedule_kwargs)
-        counts = self.routing.counted.clone()
+            yield
+        counts = routing.counted.clone()
         dist.all_reduce(counts)  # each layer's tokens are counted on its stage only, once each
-        self.routing.global_counts = counts
-        self.routing.counted.zero_()
+        routing.global_counts = counts
+        routing.counted.zero_()
 
     @contextlib.contextmanager
     def bind(self, batch: Batch, *, counting: bool = False) -> Iterator[None]:
         """The microbatch's rows, TP x CP group and the step's statistics for the replaced
         load-balancing methods inside the block (the routers' own groups are bound by
         ``binding.bind_cp_group``)."""
-        job, seg = self.job, batch["segments"]
+        seg = batch["segments"]
         seq_index = seg.seq_index
-        if job.parallel.sequence_parallel and job.parallel.tp > 1:  # the router's SP slice
-            seq_index = seq_index.chunk(job.parallel.tp)[job.topology.tp_rank]
+        if self.sequence_parallel and self.tp > 1:  # the router's SP slice
+            seq_index = seq_index.chunk(self.tp)[self.tp_rank]
         if self.routing is None:  # another iterator's batches (an evaluation before a step)
             self.routing = self._new(0)
         context = moe.RouterContext(
@@ -150,7 +161,7 @@ class RouterSteps:
     def tp_cp_group(self, batch: Batch) -> dist.ProcessGroup:
         """The TP x CP group of ``batch``'s CP group (the CP group at tp 1)."""
         seg = batch["segments"]
-        return self.job.groups.tp_cp_group(seg.rank_start, seg.cp_size)
+        return self.groups.tp_cp_group(seg.rank_start, seg.cp_size)
 
     def report(self, loss_tokens: float) -> tuple[float | None, list[list[int]] | None]:
         """The step's load-balancing term and tokens per expert over every rank (collective;
@@ -172,14 +183,3 @@ class RouterSteps:
                                  "choices differ")
         aux = float(vec[size]) / max(loss_tokens, 1.0) if self.active else None
         return aux, [[int(x) for x in row] for row in tokens_per_expert.tolist()]
-
-
-def _counting(job: PlanJob) -> Any:
-    def forward_step(data_iterator: Any, model: nn.Module) -> tuple[Any, Any]:
-        return job.forward_step(data_iterator, model, counting=True)
-    return forward_step
-
-
-def no_loss(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-    """The statistics pass's loss function: nothing to learn, nothing to report."""
-    return output.sum() * 0, torch.zeros((), dtype=torch.int, device=output.device), {}

@@ -1,5 +1,5 @@
-"""Workarounds for Megatron-core (0.16.1-0.19.x) on any device, and ``apply_patches``: one
-function per workaround.
+"""Workarounds for Megatron-core (0.16.1-0.19.x) on any device, and ``apply_patches`` (the
+device's and the common ones): one function per workaround.
 
 - **CPU** (``cpu_patches``, only when training on the CPU): Megatron-core's CUDA assumptions
   sent to the host; nothing numeric changes.
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runtime.adapters.megatron import mcore, moe, mtp
-from runtime.adapters.megatron.cpu_patches import (
+from runtime.adapters.megatron.compat import mcore
+from runtime.adapters.megatron.compat.cpu_patches import (
     apply_cpu_patches,
     ensure_memory_buffer,
     once,
@@ -304,8 +304,8 @@ def apply_common_patches() -> None:
     for fn in (padding_mask_scatter_uses_model_group, pipeline_messages_tagged,
                quiet_upstream_warnings, sharded_state_uses_model_groups,
                distributed_optimizer_restores_torch_adam_steps, moe_utils_names_without_te,
-               moe.install, mtp.install, mtp_gather_uses_model_group):
-        once(f"{fn.__module__}.{fn.__name__}", fn)  # moe.install and mtp.install: two names
+               mtp_gather_uses_model_group):
+        once(f"{fn.__module__}.{fn.__name__}", fn)
 
 
 def te_cp_stream_for_dynamic_groups() -> None:

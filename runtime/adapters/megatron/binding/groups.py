@@ -6,7 +6,7 @@
 - ``pg_collection``: Megatron's ``ProcessGroupCollection`` the model is built with: ``tp``,
   ``pp``, ``embd`` (first and last stage, tied embeddings under PP), ``dp_cp`` = the pool group
   (gradients and token counts are summed over it), and ``cp`` = this rank alone: the model is
-  built without CP and ``runtime.adapters.megatron.binding`` points it at each microbatch's group;
+  built without CP and ``binding.cp_group`` points it at each microbatch's group;
 - ``self_group``: this rank alone, the ``cp_group`` of microbatches in which it is a group of one
   (Megatron's RoPE needs a group whose size and rank it can read, never None).
 
@@ -34,7 +34,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from planner.groups import catalog as catalog_blocks
-from runtime.adapters.megatron import mcore
+from runtime.adapters.megatron.compat import mcore
 from runtime.dist.groups import GroupCatalog
 from runtime.dist.topology import Topology
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from runtime.adapters.megatron import mcore
+from runtime.adapters.megatron.compat import mcore
 from runtime.data.plan_reader import PlanReader
 from runtime.train.megatron_options import MegatronOptions
 from runtime.train.oracle import Segment, SegmentLogits

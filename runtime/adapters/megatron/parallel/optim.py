@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime.adapters.megatron import mcore
+from runtime.adapters.megatron.compat import mcore
 from runtime.train.common import MegatronOptions, TrainConfig
 
 OPTIMIZER_NAMES = {True: "megatron-distributed", False: "megatron"}

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.adapters.megatron import mcore
+from runtime.adapters.megatron.compat import mcore
 
 
 def _unwrap(chunk: nn.Module) -> nn.Module:

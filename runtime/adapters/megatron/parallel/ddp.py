@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.adapters.megatron import mcore
+from runtime.adapters.megatron.compat import mcore
 from runtime.train.common import MegatronOptions
 
 
@@ -87,14 +87,25 @@ def ddp_config(options: MegatronOptions, *, bf16: bool) -> Any:
 
 
 def wrap_chunks(chunks: list[nn.Module], config: Any, pg_collection: Any,
-                pool_group: dist.ProcessGroup, options: MegatronOptions) -> list[nn.Module]:
-    """Each chunk wrapped for gradient synchronisation over the pool (module docstring)."""
-    if options.grad_sync == "pool":
-        return [PoolGradSync(c, pool_group) for c in chunks]
-    cfg = ddp_config(options, bf16=bool(config.bf16))
-    return [mcore.DistributedDataParallel(config, cfg, c, disable_bucketing=i > 0,
-                                          pg_collection=pg_collection)
-            for i, c in enumerate(chunks)]
+                pool_group: dist.ProcessGroup, options: MegatronOptions,
+                caller_ddp_config: Any = None) -> tuple[list[nn.Module], MegatronOptions]:
+    """Each chunk wrapped for gradient synchronisation over the pool (module docstring), and
+    the options that then hold: ``caller_ddp_config`` (a ``DistributedDataParallelConfig``
+    of the caller's) decides them when given; otherwise ``options`` does."""
+    if caller_ddp_config is not None:
+        cfg = caller_ddp_config
+        options = MegatronOptions(use_distributed_optimizer=cfg.use_distributed_optimizer,
+                                  overlap_grad_reduce=cfg.overlap_grad_reduce,
+                                  overlap_param_gather=cfg.overlap_param_gather)
+    elif options.grad_sync == "pool":
+        return [PoolGradSync(c, pool_group) for c in chunks], options
+    else:
+        cfg = ddp_config(options, bf16=bool(config.bf16))
+    wrapped: list[nn.Module] = [
+        mcore.DistributedDataParallel(config, cfg, c, disable_bucketing=i > 0,
+                                      pg_collection=pg_collection)
+        for i, c in enumerate(chunks)]
+    return wrapped, options
 
 
 def schedule_hooks(config: Any, chunks: list[nn.Module], options: MegatronOptions) -> None:

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from runtime.adapters.megatron import mcore
+from runtime.adapters.megatron.compat import mcore
 
 _BOUND: contextvars.ContextVar[MTPContext | None] = contextvars.ContextVar(
     "megatron_mtp_context", default=None)

@@ -48,8 +48,9 @@ import torch.distributed as dist
 from torch import nn
 
 from planner.planfile.io import fsync_dir
-from runtime.adapters.megatron import ddp, mcore, patches
-from runtime.adapters.megatron.model import unwrap
+from runtime.adapters.megatron.compat import mcore, patches
+from runtime.adapters.megatron.model.gpt import unwrap
+from runtime.adapters.megatron.parallel import ddp
 from runtime.train import checkpoint as native
 from runtime.train import savetarget
 from runtime.train.rngstate import load_rng, rng_state, set_rng_state

@@ -14,16 +14,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from runtime.adapters.megatron import optim, patches
-from runtime.adapters.megatron.groups import create_groups
-from runtime.adapters.megatron.model import (
+from runtime.adapters.megatron.binding.groups import create_groups
+from runtime.adapters.megatron.binding.install import install
+from runtime.adapters.megatron.model.gpt import (
     ModelParallel,
     build_chunks,
     global_names,
     init_weights,
     transformer_config,
 )
-from runtime.adapters.megatron.oracle_terms import MoETerms, MTPTerms
+from runtime.adapters.megatron.model.oracle_terms import MoETerms, MTPTerms
+from runtime.adapters.megatron.parallel import optim
 from runtime.data.evaluation import check_eval_layout
 from runtime.data.plan_reader import PlanReader
 from runtime.data.plan_source import open_plan_source
@@ -51,7 +52,7 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
         raise ValueError("--reference --framework megatron saves no checkpoint: drop --save "
                          "and --resume")
     device = resolve_device(cfg)
-    patches.apply_patches(device)
+    install(device)
     reader = PlanReader(cfg.plan)
     source = open_plan_source(reader, cfg.dataset_paths, field=cfg.field)
     try:
