@@ -7,13 +7,24 @@ wrapped in Megatron's ``DistributedDataParallel`` (``get_model``), Megatron's op
 ``forward_step`` that binds each microbatch's CP group and returns the per-token loss, the
 step's loss over the pool, the non-finite verdict, and ``save`` / ``load`` through Megatron's
 ``dist_checkpointing``. ``MegatronTrainer`` (``dcp-train --framework megatron``) is built from
-it; the README's "Using a plan in Megatron-core" is a complete job.
+it; ``docs`` has "Using a plan in Megatron-core", a complete job.
+
+The sub-packages are layers, each importing only from those before it:
+
+- ``compat``: Megatron releases (``mcore``, the only ``megatron`` import) and the upstream
+  workarounds, one function each;
+- ``binding``: the plan per microbatch inside Megatron's modules (groups, batches, the CP-group
+  binding, the router and MTP hooks, the forward step and the loss): what any loop needs;
+- ``model``: the model ``dcp-train`` builds (spec, core attention, initial weights) and the
+  oracle's terms;
+- ``parallel``: Megatron's DDP, optimizer and ``dist_checkpointing`` over the plan's pool;
+- ``job.py``: ``PlanJob``, for one's own loop;
+- ``trainer``: ``dcp-train --framework megatron`` (loop, evaluation, oracle, entry).
 
 Lower-level pieces stay importable from their modules for callers who assemble their own
-(``batch.PlanBatches``, ``binding.bind_cp_group``, ``loss.loss_func``, ``groups.create_groups``
-/ ``groups_from_parallel_state``, ``patches.apply_patches``). Every Megatron import goes
-through ``mcore``; workarounds live in ``patches``, one function each. Importing this package
-imports Megatron-core (a few seconds).
+(``binding.batch.PlanBatches``, ``binding.cp_group.bind_cp_group``, ``binding.forward``,
+``binding.groups.create_groups`` / ``groups_from_parallel_state``, ``binding.install``).
+Importing this package imports Megatron-core (a few seconds).
 """
 
 from __future__ import annotations
