@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from planner.cliargs import (
+from planner.cli.args import (
     EFFORT_HELP,
     ArgumentParser,
     HelpFormatter,
@@ -36,9 +36,9 @@ from planner.cliargs import (
     refuse,
     seed_int,
 )
-from planner.cliengine import add_engine_arguments, engine_settings
-from planner.cliflags import FLAGS, MEGATRON_REFUSED
-from planner.cliguard import (
+from planner.cli.engine import add_engine_arguments, engine_settings
+from planner.cli.flags import FLAGS, MEGATRON_REFUSED
+from planner.cli.guard import (
     Terminated,
     check_outputs,
     dataset_items,
@@ -47,7 +47,7 @@ from planner.cliguard import (
     interrupting_signal,
     terminate,
 )
-from planner.clishow import cmd_show
+from planner.cli.show import cmd_show
 from planner.config import (
     EFFORTS,
     LONG_SEQUENCE_POLICIES,
@@ -206,13 +206,13 @@ def cmd_plan(argv: list[str]) -> int:
         parser.error("--data-path weights draw a number of samples per step: use "
                      "--global-batch-size with them, not --global-batch-tokens")
     engine = engine_settings(parser, args)  # before reading: Ray there if asked for
+    from planner.cli.progress import Progress
+    from planner.cli.summary import format_summary, plan_summary
     from planner.cost import load_cost_model
     from planner.plan import PlanStream
     from planner.planfile.io import write_plan_stream
     from planner.planfile.schema import PlanHeader
-    from planner.progress import Progress
     from planner.sources.lengths import read_lengths
-    from planner.summary import format_summary, plan_summary
 
     t0 = time.perf_counter()
     parallel = ParallelConfig(dp=args.dp, cp=args.cp, tp=args.tp, pp=args.pp, vpp=args.vpp,
@@ -329,8 +329,8 @@ def cmd_validate(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from planner.clicompare import cmd_compare
-    from planner.clireport import cmd_report
+    from planner.cli.compare import cmd_compare
+    from planner.cli.report import cmd_report
 
     commands = {"validate": cmd_validate, "show": cmd_show, "plan": cmd_plan,
                 "compare": cmd_compare, "report": cmd_report}
@@ -374,6 +374,3 @@ def entry() -> None:
         pass
     os._exit(code)
 
-
-if __name__ == "__main__":
-    entry()
