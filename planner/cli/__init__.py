@@ -18,15 +18,15 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "main": "planner.cli.plan",
-    "entry": "planner.cli.plan",
+    "main": "planner.cli.dispatch",
+    "entry": "planner.cli.dispatch",
 }
 
 __all__ = ["entry", "main"]
 assert sorted(__all__) == sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from planner.cli.plan import entry, main
+    from planner.cli.dispatch import entry, main
 
 
 def __getattr__(name: str) -> Any:

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from planner.cli.plan import entry
+from planner.cli.dispatch import entry
 
 entry()

@@ -106,7 +106,7 @@ def _wrapped(inner: BaseException) -> SystemError:
 
 def test_a_signal_wrapped_in_a_system_error_is_still_an_interruption(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from planner.cli import guard, plan
+    from planner.cli import dispatch, guard
 
     assert guard.interrupting_signal(_wrapped(guard.Terminated(15))) == 15
     assert guard.interrupting_signal(_wrapped(KeyboardInterrupt())) == signal.SIGINT
@@ -115,16 +115,16 @@ def test_a_signal_wrapped_in_a_system_error_is_still_an_interruption(
     def interrupted(argv: list[str]) -> int:
         raise _wrapped(guard.Terminated(signal.SIGTERM))
 
-    monkeypatch.setattr(plan, "cmd_plan", interrupted)
-    assert plan.main(["data.jsonl"]) == 128 + signal.SIGTERM
+    monkeypatch.setattr(dispatch, "cmd_plan", interrupted)
+    assert dispatch.main(["data.jsonl"]) == 128 + signal.SIGTERM
     assert "dcp-plan: interrupted by SIGTERM; no plan written" in capsys.readouterr().err
 
     def broken(argv: list[str]) -> int:
         raise _wrapped(ValueError("a real SystemError"))
 
-    monkeypatch.setattr(plan, "cmd_plan", broken)
+    monkeypatch.setattr(dispatch, "cmd_plan", broken)
     with pytest.raises(SystemError):  # not a signal: not hidden
-        plan.main(["data.jsonl"])
+        dispatch.main(["data.jsonl"])
 
 
 def _children(pid: int) -> str:
