@@ -51,6 +51,38 @@ def test_runtime_does_not_import_ortools() -> None:
     assert not any(m.startswith("transformer_engine") for m in mods)
 
 
+
+def _runtime_imports_of_planner_cli() -> set[str]:
+    """The ``planner.cli`` modules that runtime/ imports, at any depth (an AST walk)."""
+    import ast
+
+    found: set[str] = set()
+    for path in sorted((ROOT / "runtime").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "planner.cli":
+                found.update(f"planner.cli.{a.name}" for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module \
+                    and node.module.startswith("planner.cli."):
+                found.add(node.module)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name.startswith("planner.cli"))
+    return found
+
+
+def test_the_runtime_loads_no_solver_through_planner_cli() -> None:
+    # dcp-train and dcp-calibrate share dcp-plan's command-line conventions, progress bars and
+    # input list (planner.cli.args, .progress, .guard); importing them, or the package, must
+    # not load the planning stack: `dcp-train --version` would pay for numba, every rank for
+    # the solver.
+    used = _runtime_imports_of_planner_cli()
+    assert {"planner.cli.args", "planner.cli.progress", "planner.cli.guard"} <= used
+    heavy = ("numba", "ortools", "pyarrow", "numpy", "torch", "planner.solver", "planner.plan",
+             "planner.cost", "planner.config")
+    for module in sorted(used | {"planner.cli"}):
+        mods = _loaded(f"import {module}")
+        loaded = [h for h in heavy if any(m == h or m.startswith(h + ".") for m in mods)]
+        assert loaded == [], f"import {module} loads {loaded}"
+
 def test_third_party_imports_stay_in_one_module_each() -> None:
     ortools, te, titan, ray = [], [], [], []
     for path in sorted((ROOT / "planner").rglob("*.py")) + sorted((ROOT / "runtime").rglob("*.py")):

@@ -227,7 +227,7 @@ def _result(ray: ModuleType, ref: Any, first: int, last: int) -> list[StepAssign
         ray.wait([ref], num_returns=1)
         steps: list[StepAssignment] = ray.get(ref)
     except SystemError as e:
-        # A signal handler that raises a BaseException (dcp-plan's SIGTERM: cliguard.Terminated)
+        # A signal handler that raises a BaseException (dcp-plan's SIGTERM: cli.guard.Terminated)
         # while Ray's C++ wait checks signals comes back as SystemError from it: unwrap it.
         if isinstance(e.__cause__, BaseException) and not isinstance(e.__cause__, Exception):
             raise e.__cause__ from None

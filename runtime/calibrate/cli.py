@@ -57,7 +57,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from planner.cliargs import (
+from planner.cli.args import (
     ArgumentParser,
     HelpFormatter,
     add_json_arguments,

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from planner.cliargs import (
+from planner.cli.args import (
     ArgumentParser,
     HelpFormatter,
     add_json_arguments,

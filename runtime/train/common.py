@@ -20,9 +20,9 @@ from typing import IO, Any
 import torch
 import torch.distributed as dist
 
-from planner.cliargs import emit_summary
+from planner.cli.args import emit_summary
+from planner.cli.progress import Progress
 from planner.fileguard import open_log
-from planner.progress import Progress
 from runtime.data.plan_reader import PlanReader
 from runtime.train import checkpoint
 from runtime.train.backends import ATTENTIONS

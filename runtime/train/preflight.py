@@ -18,7 +18,7 @@ from runtime.train.common import TrainConfig
 def run_inputs(cfg: TrainConfig) -> list[str]:
     """Every file a run reads: its plans and their datasets' files (directories and globs
     expanded, both files of a Megatron pair); an output may be none of them."""
-    from planner.cliguard import input_files
+    from planner.cli.guard import input_files
     from planner.sources.dataset import expand_paths
     from planner.sources.lengths import DATASET_SUFFIXES
 

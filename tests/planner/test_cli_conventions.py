@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from planner.cli import main
-from planner.cliargs import flag_message
+from planner.cli.args import flag_message
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "data" / "sample.jsonl"
@@ -229,7 +229,7 @@ def test_train_progress_on_a_terminal(tmp_path: Path) -> None:
 
 
 def test_flag_message_renames_fields_not_plain_words() -> None:
-    from planner.cliargs import flag_message
+    from planner.cli.args import flag_message
 
     flags = {"long_sequences": "--long-sequences", "device": "--device", "steps": "--steps"}
     assert flag_message("use long_sequences split", flags) == "use --long-sequences split"

@@ -24,11 +24,11 @@ from tests.reliability.helpers import ROOT
 _WRITER = """
 import signal, sys, time
 from pathlib import Path
-from planner import cliguard
+from planner.cli import guard
 from planner.planfile.io import write_plan
 from planner.planfile.schema import arrow_schema, step_batch
 from tests.planner.planfile import handmade
-signal.signal(signal.SIGTERM, cliguard.terminate)
+signal.signal(signal.SIGTERM, guard.terminate)
 # A shell's background job inherits SIGINT ignored, and Python then installs no handler: the
 # test's SIGINT would be lost (seen once as a 30 s timeout). Ask for Python's own handler.
 signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -41,7 +41,7 @@ def steps():
         time.sleep(60)
 try:
     write_plan(Path(sys.argv[1]), h, steps(), check=False)
-except (KeyboardInterrupt, cliguard.Terminated):
+except (KeyboardInterrupt, guard.Terminated):
     sys.exit(130)
 """
 
@@ -106,25 +106,25 @@ def _wrapped(inner: BaseException) -> SystemError:
 
 def test_a_signal_wrapped_in_a_system_error_is_still_an_interruption(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from planner import cli, cliguard
+    from planner.cli import dispatch, guard
 
-    assert cliguard.interrupting_signal(_wrapped(cliguard.Terminated(15))) == 15
-    assert cliguard.interrupting_signal(_wrapped(KeyboardInterrupt())) == signal.SIGINT
-    assert cliguard.interrupting_signal(_wrapped(ValueError("x"))) is None
+    assert guard.interrupting_signal(_wrapped(guard.Terminated(15))) == 15
+    assert guard.interrupting_signal(_wrapped(KeyboardInterrupt())) == signal.SIGINT
+    assert guard.interrupting_signal(_wrapped(ValueError("x"))) is None
 
     def interrupted(argv: list[str]) -> int:
-        raise _wrapped(cliguard.Terminated(signal.SIGTERM))
+        raise _wrapped(guard.Terminated(signal.SIGTERM))
 
-    monkeypatch.setattr(cli, "cmd_plan", interrupted)
-    assert cli.main(["data.jsonl"]) == 128 + signal.SIGTERM
+    monkeypatch.setattr(dispatch, "cmd_plan", interrupted)
+    assert dispatch.main(["data.jsonl"]) == 128 + signal.SIGTERM
     assert "dcp-plan: interrupted by SIGTERM; no plan written" in capsys.readouterr().err
 
     def broken(argv: list[str]) -> int:
         raise _wrapped(ValueError("a real SystemError"))
 
-    monkeypatch.setattr(cli, "cmd_plan", broken)
+    monkeypatch.setattr(dispatch, "cmd_plan", broken)
     with pytest.raises(SystemError):  # not a signal: not hidden
-        cli.main(["data.jsonl"])
+        dispatch.main(["data.jsonl"])
 
 
 def _children(pid: int) -> str:

@@ -1,57 +1,48 @@
-"""`dcp-plan`: plan a dataset, validate a plan, show a plan.
+"""`dcp-plan [plan] DATASET...`: plan a dataset and write the plan file (the default command).
 
     dcp-plan [plan] DATASET... --dp D [--cp C] --max-tokens-per-rank CAP --global-batch-size B
     dcp-plan DATASET... --eval --dp D [--cp C] --max-tokens-per-rank CAP --global-batch-size B
-    dcp-plan validate PLAN [DATASET...]
-    dcp-plan show PLAN [--steps A:B | --step I]
-    dcp-plan compare DATASET... --pools LIST --cp LIST --max-tokens-per-rank LIST ...
 
-Only this module uses argparse; it builds the frozen configs and calls the pure planner.
-Megatron-LM's names are aliases of the same flags (``--context-parallel-size`` is ``--cp``): one
-argparse action each, so both spellings give byte-identical plans. User errors (bad flags, bad
-records, impossible configs) exit with status 2 and a one-line message naming the flag, file or
-sample, never a traceback; nothing is written unless the whole plan was made and validated.
+Its parser is also ``dcp-plan --help``: the usage and the epilog list every command (dispatch.py
+picks one). The flags build the frozen configs and call the pure planner. Megatron-LM's names
+are aliases of the same flags (``--context-parallel-size`` is ``--cp``): one argparse action
+each, so both spellings give byte-identical plans. User errors (bad flags, bad records,
+impossible configs) exit with status 2 and a one-line message naming the flag, file or sample,
+never a traceback; nothing is written unless the whole plan was made and validated.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import sys
 import time
 from pathlib import Path
 
-from planner.cliargs import (
+from planner.cli.args import (
     EFFORT_HELP,
     ArgumentParser,
     HelpFormatter,
     add_json_arguments,
     add_version,
     emit_summary,
-    flag_message,
     int_list,
     nonnegative_int,
     positive_int,
     refuse,
     seed_int,
 )
-from planner.cliengine import add_engine_arguments, engine_settings
-from planner.cliflags import FLAGS, MEGATRON_REFUSED
-from planner.cliguard import (
-    Terminated,
+from planner.cli.engine import add_engine_arguments, engine_settings
+from planner.cli.flags import MEGATRON_REFUSED
+from planner.cli.guard import (
+    add_dataset_arguments,
     check_outputs,
     dataset_items,
     default_output,
     input_files,
-    interrupting_signal,
-    terminate,
+    print_notice,
 )
-from planner.clishow import cmd_show
 from planner.config import (
     EFFORTS,
     LONG_SEQUENCE_POLICIES,
-    EngineError,
     ParallelConfig,
     PlannerConfig,
     SolverConfig,
@@ -87,33 +78,13 @@ Megatron-LM names work as aliases: --context-parallel-size, --tensor-model-paral
 """
 
 
-def _add_dataset_arguments(p: argparse.ArgumentParser, *, required: bool) -> None:
-    p.add_argument("dataset", nargs="*", metavar="DATASET",
-                   help="dataset files, directories or quoted globs, in order (see below)"
-                   if required else "the plan's dataset, as given to dcp-plan: also check "
-                   "coverage to the last token and the fingerprints")
-    p.add_argument("--data-path", nargs="+", metavar="[WEIGHT] PATH", default=None,
-                   help="Megatron-style dataset list instead of DATASET, with optional "
-                   "weights: 'W1 PATH1 W2 PATH2 ...'")
-    p.add_argument("--skip-bad-records", action="store_true",
-                   help="skip malformed records (reported) instead of stopping"
-                   if required else "skip malformed records (default: as the plan was made: "
-                   "a plan that skipped records records it, and validate skips them too)")
-    p.add_argument("--field", help="record field (JSONL) or column (Parquet, Arrow) with tokens "
-                   "or a length (default: input_ids, tokens, length, num_tokens, the first "
-                   "present); the plan records it, so dcp-train and validate read it too"
-                   if required else "record field or column to read (default: the one the "
-                   "plan was made with, its header's dataset.field); give it only for a "
-                   "dataset whose field was renamed since planning: it is read, with a notice")
-
-
 def _plan_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog=PROG, usage=USAGE, epilog=EPILOG, formatter_class=HelpFormatter,
         description="Plan dynamic context parallelism offline: per microbatch, a partition of "
         "the dp x cp rank pool into CP groups and the sequences each group packs.")
     add_version(p)
-    _add_dataset_arguments(p, required=True)
+    add_dataset_arguments(p, required=True)
     p.add_argument("-o", "--output",
                    help="plan file (default: plans/<first dataset's stem>.arrow); an existing "
                    "plan there is replaced, any other file is refused")
@@ -187,10 +158,6 @@ def _plan_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _notice(message: str) -> None:
-    print(f"{PROG}: notice: {message}", file=sys.stderr)
-
-
 def cmd_plan(argv: list[str]) -> int:
     parser = _plan_parser()
     args = parser.parse_intermixed_args(argv)
@@ -206,13 +173,13 @@ def cmd_plan(argv: list[str]) -> int:
         parser.error("--data-path weights draw a number of samples per step: use "
                      "--global-batch-size with them, not --global-batch-tokens")
     engine = engine_settings(parser, args)  # before reading: Ray there if asked for
+    from planner.cli.progress import Progress
+    from planner.cli.summary import format_summary, plan_summary
     from planner.cost import load_cost_model
     from planner.plan import PlanStream
     from planner.planfile.io import write_plan_stream
     from planner.planfile.schema import PlanHeader
-    from planner.progress import Progress
     from planner.sources.lengths import read_lengths
-    from planner.summary import format_summary, plan_summary
 
     t0 = time.perf_counter()
     parallel = ParallelConfig(dp=args.dp, cp=args.cp, tp=args.tp, pp=args.pp, vpp=args.vpp,
@@ -238,7 +205,7 @@ def cmd_plan(argv: list[str]) -> int:
     show = not (args.quiet or args.json)
     with Progress("reading", unit="file", enabled=show and len(items) > 1) as bar:
         table = read_lengths(items, skip_bad_records=args.skip_bad_records, field=args.field,
-                             progress=bar, notice=_notice)
+                             progress=bar, notice=print_notice)
     # Directories and globs expand to files only now: check those too.
     check_outputs(out, args.summary_json, input_files([f.path for f in table.files], ""),
                   overwrite=args.overwrite)
@@ -273,107 +240,3 @@ def cmd_plan(argv: list[str]) -> int:
                  json_path=args.summary_json, quiet=args.quiet)
     return 0
 
-
-def cmd_validate(argv: list[str]) -> int:
-    p = ArgumentParser(prog=f"{PROG} validate", formatter_class=HelpFormatter,
-                                description="Check every invariant of a plan file; with its "
-                                "dataset, also coverage to the last token and the fingerprints.")
-    add_version(p)
-    p.add_argument("plan", help="plan file (.arrow)")
-    _add_dataset_arguments(p, required=False)
-    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    args = p.parse_intermixed_args(argv)
-    items, _ = dataset_items(p, args, required=False)
-    from planner.planfile.io import PlanFile
-    from planner.planfile.validate import validate
-
-    with PlanFile(args.plan) as f:
-        lengths = None
-        recorded = f.header.dataset.field
-        if items:
-            from planner.sources.fieldname import field_hint, override_notice, replay_field
-            from planner.sources.lengths import read_lengths
-
-            # The field the plan was made with (dataset.field), unless --field overrides it.
-            field = replay_field(recorded, args.field)
-            notice = override_notice(recorded, args.field, args.plan)
-            if notice:
-                print(f"{PROG} validate: {notice}", file=sys.stderr)
-            # The skip policy the plan was made with (its header's skipped_bad_records), as
-            # the field: the flag is needed only for a plan that recorded none.
-            skip = args.skip_bad_records or f.header.skips_bad_records
-            try:
-                table = read_lengths(items, skip_bad_records=skip, field=field, notice=_notice)
-            except ValueError as e:
-                raise ValueError(field_hint(str(e), recorded, args.field, args.plan)) from None
-            lengths = table.lengths
-        # Thorough: the header's description of the steps (seed, global batch, stats) too.
-        validate(f.header, f, lengths, source=args.plan, thorough=True)
-        content = False
-        if lengths is not None:  # the lengths match: with content fingerprints, every token
-            from planner.sources.content import check_content
-
-            content = check_content(f.header.dataset.files, table, field, source=args.plan)
-        result = {"plan": args.plan, "valid": True, "kind": f.header.kind,
-                  "num_steps": f.num_steps,
-                  "format_version": f.header.format_version,
-                  "coverage_checked": lengths is not None, "content_checked": content}
-    what = ("and dataset coverage " if lengths is not None else "") + (
-        "and token content " if content else "")
-    emit_summary(result, f"{args.plan}: valid {result['kind']} plan ({result['num_steps']} "
-                 f"steps, format "
-                 f"{result['format_version']}; invariants {what}checked)",
-                 as_json=args.json, json_path="")
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    from planner.clicompare import cmd_compare
-    from planner.clireport import cmd_report
-
-    commands = {"validate": cmd_validate, "show": cmd_show, "plan": cmd_plan,
-                "compare": cmd_compare, "report": cmd_report}
-    cmd = cmd_plan
-    if argv and argv[0] in commands:
-        cmd = commands[argv.pop(0)]
-    previous = signal.signal(signal.SIGTERM, terminate)
-    try:
-        return cmd(argv)
-    except BrokenPipeError:  # `dcp-plan show ... | head`: the reader left; not an error
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-    except (ValueError, OSError, EngineError) as e:
-        print(f"{PROG}: error: {flag_message(str(e), FLAGS)}", file=sys.stderr)
-        return 2
-    except (KeyboardInterrupt, Terminated, SystemError) as e:
-        # The writer's cleanup ran on the way out (temporary files removed, nothing renamed).
-        # A SystemError is a signal only when one is in its chain (see interrupting_signal).
-        signum = interrupting_signal(e)
-        if signum is None:
-            raise
-        print(f"{PROG}: interrupted by {signal.Signals(signum).name}; no plan written",
-              file=sys.stderr)
-        return 128 + signum
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def entry() -> None:
-    """The ``dcp-plan`` console script: ``main``, then exit without the interpreter's teardown.
-
-    Every file is closed and every temporary removed when ``main`` returns, and the standard
-    streams are flushed here; what the skipped teardown would do is free the numba and Arrow
-    state, about 0.15 s of every run (a run's fixed cost is ~0.75 s; BENCHMARKS.md, issue 14).
-    """
-    code = main()
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except BrokenPipeError:  # the reader left (`| head`): nothing more to say
-        pass
-    os._exit(code)
-
-
-if __name__ == "__main__":
-    entry()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from planner.cliargs import positive_int
+from planner.cli.args import positive_int
 from planner.config import ENGINES
 
 

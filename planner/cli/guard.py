@@ -1,13 +1,14 @@
-"""``dcp-plan``'s inputs and outputs: the dataset items of the command line, the default output,
-the files a run reads (its outputs are refused when they are one of them: ``check_outputs``),
-and SIGTERM as an exception (so the writer's cleanup runs as on Ctrl-C; schedulers and torchrun
-send SIGTERM)."""
+"""``dcp-plan``'s inputs and outputs: the dataset flags (``plan`` and ``validate``) and the items
+they give, the reader's notices, the default output, the files a run reads (its outputs are
+refused when they are one of them: ``check_outputs``), and SIGTERM as an exception (so the
+writer's cleanup runs as on Ctrl-C; schedulers and torchrun send SIGTERM)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import signal
+import sys
 from pathlib import Path
 
 from planner.fileguard import check_output
@@ -75,6 +76,33 @@ def interrupting_signal(e: BaseException) -> int | None:
         seen.add(id(cur))
         cur = cur.__cause__ or cur.__context__
     return None
+
+
+def add_dataset_arguments(p: argparse.ArgumentParser, *, required: bool) -> None:
+    """DATASET..., ``--data-path``, ``--skip-bad-records`` and ``--field``: for planning
+    (``required``) or for checking a plan's coverage (``validate``)."""
+    p.add_argument("dataset", nargs="*", metavar="DATASET",
+                   help="dataset files, directories or quoted globs, in order (see below)"
+                   if required else "the plan's dataset, as given to dcp-plan: also check "
+                   "coverage to the last token and the fingerprints")
+    p.add_argument("--data-path", nargs="+", metavar="[WEIGHT] PATH", default=None,
+                   help="Megatron-style dataset list instead of DATASET, with optional "
+                   "weights: 'W1 PATH1 W2 PATH2 ...'")
+    p.add_argument("--skip-bad-records", action="store_true",
+                   help="skip malformed records (reported) instead of stopping"
+                   if required else "skip malformed records (default: as the plan was made: "
+                   "a plan that skipped records records it, and validate skips them too)")
+    p.add_argument("--field", help="record field (JSONL) or column (Parquet, Arrow) with tokens "
+                   "or a length (default: input_ids, tokens, length, num_tokens, the first "
+                   "present); the plan records it, so dcp-train and validate read it too"
+                   if required else "record field or column to read (default: the one the "
+                   "plan was made with, its header's dataset.field); give it only for a "
+                   "dataset whose field was renamed since planning: it is read, with a notice")
+
+
+def print_notice(message: str) -> None:
+    """``dcp-plan: notice: ...`` on stderr (``read_lengths``'s ``notice`` callback)."""
+    print(f"dcp-plan: notice: {message}", file=sys.stderr)
 
 
 def dataset_items(parser: argparse.ArgumentParser, args: argparse.Namespace,

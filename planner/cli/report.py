@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from planner.cliargs import (
+from planner.cli.args import (
     ArgumentParser,
     HelpFormatter,
     add_json_arguments,

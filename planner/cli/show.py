@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from planner.cliargs import (
+from planner.cli.args import (
     ArgumentParser,
     HelpFormatter,
     add_version,

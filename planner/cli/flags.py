@@ -1,5 +1,5 @@
 """``dcp-plan``'s translations for users: library field names -> the flags they set, and the
-Megatron-LM flags that mean nothing here, with what to use instead (``cliargs.refuse``)."""
+Megatron-LM flags that mean nothing here, with what to use instead (``args.refuse``)."""
 
 from __future__ import annotations
 

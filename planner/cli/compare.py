@@ -18,7 +18,7 @@ import argparse
 import time
 from typing import Any
 
-from planner.cliargs import (
+from planner.cli.args import (
     EFFORT_HELP,
     ArgumentParser,
     HelpFormatter,
@@ -31,7 +31,7 @@ from planner.cliargs import (
     positive_int,
     seed_int,
 )
-from planner.cliflags import FLAGS
+from planner.cli.flags import FLAGS
 from planner.config import EFFORTS, LONG_SEQUENCE_POLICIES
 
 PROG = "dcp-plan compare"
