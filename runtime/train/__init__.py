@@ -7,7 +7,8 @@ its single-process oracle (``oracle``), what both share (``common``), attention 
 from __future__ import annotations
 
 from runtime.train.cli import main
-from runtime.train.common import StepLog, TrainConfig, TrainResult
+from runtime.train.common import StepLog, TrainResult
+from runtime.train.config import TrainConfig
 from runtime.train.oracle import train_reference
 from runtime.train.trainer import Trainer
 

@@ -41,16 +41,10 @@ from planner.sources.dataset import parse_data_path
 from planner.sources.fieldname import override_notice
 from runtime.adapters import FRAMEWORKS, load_launcher
 from runtime.train.backends import ATTENTIONS
-from runtime.train.common import (
-    DTYPES,
-    GRAD_SYNCS,
-    MegatronOptions,
-    TrainConfig,
-    process_group,
-    require_one_process,
-)
+from runtime.train.common import process_group, require_one_process
+from runtime.train.config import DTYPES, TrainConfig
 from runtime.train.guards import Terminated, describe_dist_error, raise_terminated
-from runtime.train.megatron_options import LOAD_BALANCING_TYPES
+from runtime.train.megatron_options import GRAD_SYNCS, LOAD_BALANCING_TYPES, MegatronOptions
 from runtime.train.model import (
     MODEL_FLAGS,
     GPTConfig,

@@ -29,7 +29,6 @@ from runtime.train.common import (
     EvalLog,
     StepLog,
     StepLogger,
-    TrainConfig,
     TrainResult,
     autocast_context,
     build_model,
@@ -37,9 +36,8 @@ from runtime.train.common import (
     checkpoint_meta,
     copy_final_state,
     resolve_device,
-    should_evaluate,
-    step_range,
 )
+from runtime.train.config import TrainConfig, should_evaluate, step_range
 from runtime.train.guards import nonfinite_ok
 from runtime.train.model import GPT, GPTConfig, check_token_ids, sequence_attention
 from runtime.train.preflight import (

@@ -61,7 +61,6 @@ from runtime.train.common import (
     EvalLog,
     StepLog,
     StepLogger,
-    TrainConfig,
     TrainResult,
     autocast_context,
     build_model,
@@ -70,9 +69,8 @@ from runtime.train.common import (
     copy_final_state,
     pg_timeout,
     resolve_device,
-    should_evaluate,
-    step_range,
 )
+from runtime.train.config import TrainConfig, should_evaluate, step_range
 from runtime.train.evaluate import Evaluator
 from runtime.train.guards import nonfinite_ok
 from runtime.train.loss import per_token_loss

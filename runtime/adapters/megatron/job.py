@@ -70,8 +70,9 @@ from runtime.data.plan_reader import PlanReader
 from runtime.data.plan_source import check_plan_source, open_plan_source
 from runtime.data.tokens import TokenSource
 from runtime.dist.topology import Topology
-from runtime.train.common import DTYPES, MegatronOptions
+from runtime.train.config import DTYPES
 from runtime.train.guards import nonfinite_ok
+from runtime.train.megatron_options import MegatronOptions
 
 ModelProvider = Callable[..., nn.Module]
 _SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",

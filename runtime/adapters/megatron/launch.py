@@ -12,7 +12,8 @@ from __future__ import annotations
 from runtime.adapters.megatron.known_warnings import quiet_upstream_warnings
 from runtime.adapters.megatron.oracle import train_reference
 from runtime.adapters.megatron.train import MegatronTrainer
-from runtime.train.common import TrainConfig, process_group, require_one_process
+from runtime.train.common import process_group, require_one_process
+from runtime.train.config import TrainConfig
 from runtime.train.model import GPTConfig
 
 SUPPORTS_EVAL = True

@@ -54,16 +54,14 @@ from runtime.data.tokens import TokenSource
 from runtime.train import checkpoint as native_checkpoint
 from runtime.train.common import (
     EvalLog,
-    MegatronOptions,
     StepLog,
     StepLogger,
-    TrainConfig,
     TrainResult,
     checkpoint_meta,
     resolve_device,
-    should_evaluate,
-    step_range,
 )
+from runtime.train.config import TrainConfig, should_evaluate, step_range
+from runtime.train.megatron_options import MegatronOptions
 from runtime.train.model import GPTConfig
 from runtime.train.preflight import check_resume_step, require_training_plan, run_inputs
 

@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-from runtime.train.common import StepLog, TrainConfig, TrainResult
+from runtime.train.common import StepLog, TrainResult
+from runtime.train.config import TrainConfig
 from runtime.train.model import GPTConfig
 from tests.dist import run_distributed
 from tests.runtime.data.test_eval_dist import _eval_lengths, write_eval_set
