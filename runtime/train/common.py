@@ -1,6 +1,6 @@
 """What the replayed run, the oracle and the framework adapters share: the run's log records,
-model and optimizer construction, the checkpoint binding and the process group (the run's
-config is ``runtime.train.config``).
+model and optimizer construction and the checkpoint binding (the run's config is
+``runtime.train.config``, its process group ``runtime.train.procgroup``).
 
 It exists so that ``runtime.train.trainer`` (the replayed run) and ``runtime.train.oracle``
 (its single-process reference) depend on one module and never on each other.
@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import IO, Any
 
 import torch
-import torch.distributed as dist
 
 from planner.cliargs import emit_summary
 from planner.fileguard import open_log
@@ -220,54 +216,3 @@ def copy_final_state(result: TrainResult, model: GPT) -> None:
     result.state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     result.grads = {k: p.grad.detach().cpu().clone() for k, p in model.named_parameters()
                     if p.grad is not None}
-
-
-def resolve_device(cfg: TrainConfig) -> torch.device:
-    if cfg.device == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda: CUDA is not available")
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def pg_timeout(minutes: float) -> timedelta:
-    """The timeout given to every process group (``--distributed-timeout-minutes``)."""
-    return timedelta(minutes=minutes)
-
-
-def init_process_group(device: str, timeout_minutes: float = 10.0) -> bool:
-    """Join the torchrun world (env://), or make a world of one; True if this call created it.
-
-    ``timeout_minutes`` bounds every collective of the default group (groups made later take
-    it too: ``GroupCatalog.create(timeout=...)``); torch's own default for gloo is 30 min.
-    """
-    if dist.is_initialized():
-        return False
-    backend = "nccl" if device == "cuda" else "gloo"
-    timeout = pg_timeout(timeout_minutes)
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, timeout=timeout)
-    else:
-        store = dist.HashStore()  # type: ignore[attr-defined]
-        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
-    return True
-
-
-@contextmanager
-def process_group(cfg: TrainConfig) -> Iterator[None]:
-    """The run's process group (``init_process_group`` with its device and timeout), destroyed
-    on the way out if this call created it: every framework's launcher runs inside one."""
-    created = init_process_group(cfg.device, cfg.distributed_timeout_minutes)
-    try:
-        yield
-    finally:
-        if created:
-            dist.destroy_process_group()
-
-
-def require_one_process() -> None:
-    """Refuse a ``--reference`` run launched under torchrun (the oracle is one process)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError("--reference runs in one process; launch it without torchrun")

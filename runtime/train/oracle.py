@@ -35,7 +35,6 @@ from runtime.train.common import (
     build_optimizer,
     checkpoint_meta,
     copy_final_state,
-    resolve_device,
 )
 from runtime.train.config import TrainConfig, should_evaluate, step_range
 from runtime.train.guards import nonfinite_ok
@@ -46,6 +45,7 @@ from runtime.train.preflight import (
     require_training_plan,
     run_inputs,
 )
+from runtime.train.procgroup import resolve_device
 
 
 def sequences_of_step(reader: PlanReader, source: TokenSource, step: int, vocab_size: int = 0

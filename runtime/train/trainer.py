@@ -67,8 +67,6 @@ from runtime.train.common import (
     build_optimizer,
     checkpoint_meta,
     copy_final_state,
-    pg_timeout,
-    resolve_device,
 )
 from runtime.train.config import TrainConfig, should_evaluate, step_range
 from runtime.train.evaluate import Evaluator
@@ -81,6 +79,7 @@ from runtime.train.preflight import (
     require_training_plan,
     run_inputs,
 )
+from runtime.train.procgroup import pg_timeout, resolve_device
 
 
 class Trainer:
