@@ -1,6 +1,6 @@
-"""What the replayed run, the oracle and the framework adapters share: the run's log records,
-model and optimizer construction and the checkpoint binding (the run's config is
-``runtime.train.config``, its process group ``runtime.train.procgroup``).
+"""What the replayed run, the oracle and the framework adapters share: the run's log records
+(the run's config is ``runtime.train.config``, its process group ``runtime.train.procgroup``,
+its model, optimizer and checkpoint binding ``runtime.train.build``).
 
 It exists so that ``runtime.train.trainer`` (the replayed run) and ``runtime.train.oracle``
 (its single-process reference) depend on one module and never on each other.
@@ -8,10 +8,8 @@ It exists so that ``runtime.train.trainer`` (the replayed run) and ``runtime.tra
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -20,10 +18,7 @@ import torch
 from planner.cliargs import emit_summary
 from planner.fileguard import open_log
 from planner.progress import Progress
-from runtime.data.plan_reader import PlanReader
-from runtime.train import checkpoint
-from runtime.train.config import DTYPES, TrainConfig
-from runtime.train.model import GPT, GPTConfig
+from runtime.train.config import TrainConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,35 +90,6 @@ class TrainResult:
     evals: list[EvalLog] = field(default_factory=list)
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-def build_model(model_config: GPTConfig, seed: int, device: torch.device) -> GPT:
-    """The model with weights from ``seed``, fp32 master weights on ``device``."""
-    return GPT(model_config, seed=seed).to(device)
-
-
-def build_optimizer(model: GPT, cfg: TrainConfig) -> torch.optim.Optimizer:
-    # foreach=False: the same per-tensor arithmetic on every rank and in the reference.
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                             foreach=False)
-
-
-def autocast_context(cfg: TrainConfig, device: torch.device) -> AbstractContextManager[Any]:
-    if cfg.dtype == "fp32":
-        return nullcontext()
-    return torch.autocast(device_type=device.type, dtype=DTYPES[cfg.dtype])
-
-
-def plan_meta(reader: PlanReader) -> dict[str, Any]:
-    """What a checkpoint records of its plan. The header digest: a resume must replay the same
-    batches, and another plan of the same dataset and step count would pass every other check."""
-    plan = hashlib.sha256(reader.header.to_json().encode()).hexdigest()[:16]
-    return {"dataset": reader.header.dataset.fingerprint, "num_steps": reader.num_steps,
-            "plan": plan}
-
-
-def checkpoint_meta(model_config: GPTConfig, reader: PlanReader) -> dict[str, Any]:
-    return {"model": checkpoint.config_meta(model_config), **plan_meta(reader)}
 
 
 class StepLogger:
@@ -209,10 +175,3 @@ def format_run_summary(s: dict[str, Any]) -> str:
             f"{s['seconds']:.1f} s ({s['seconds_per_step_mean']:.2f} s/step mean, "
             f"{s['seconds_per_step_median']:.2f} median"
             + (f", {rate:,.0f} tokens/s)" if rate else ")"))
-
-
-def copy_final_state(result: TrainResult, model: GPT) -> None:
-    """Copy the weights and the last step's gradients (AdamW leaves ``.grad`` as it was)."""
-    result.state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    result.grads = {k: p.grad.detach().cpu().clone() for k, p in model.named_parameters()
-                    if p.grad is not None}

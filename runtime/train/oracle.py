@@ -25,17 +25,14 @@ from runtime.data.plan_reader import PlanReader
 from runtime.data.plan_source import open_plan_source
 from runtime.data.tokens import TokenSource
 from runtime.train import checkpoint
-from runtime.train.common import (
-    EvalLog,
-    StepLog,
-    StepLogger,
-    TrainResult,
+from runtime.train.build import (
     autocast_context,
     build_model,
     build_optimizer,
     checkpoint_meta,
     copy_final_state,
 )
+from runtime.train.common import EvalLog, StepLog, StepLogger, TrainResult
 from runtime.train.config import TrainConfig, should_evaluate, step_range
 from runtime.train.guards import nonfinite_ok
 from runtime.train.model import GPT, GPTConfig, check_token_ids, sequence_attention

@@ -57,17 +57,14 @@ from runtime.dist.groups import GroupCatalog
 from runtime.dist.topology import Topology
 from runtime.train import checkpoint
 from runtime.train.backends import make_backend
-from runtime.train.common import (
-    EvalLog,
-    StepLog,
-    StepLogger,
-    TrainResult,
+from runtime.train.build import (
     autocast_context,
     build_model,
     build_optimizer,
     checkpoint_meta,
     copy_final_state,
 )
+from runtime.train.common import EvalLog, StepLog, StepLogger, TrainResult
 from runtime.train.config import TrainConfig, should_evaluate, step_range
 from runtime.train.evaluate import Evaluator
 from runtime.train.guards import nonfinite_ok

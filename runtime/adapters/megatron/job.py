@@ -343,7 +343,7 @@ class PlanJob:
     def checkpoint_meta(self, model: dict[str, Any] | None = None) -> dict[str, Any]:
         """What a checkpoint must match on resume: the plan (header digest), its dataset and
         step count, and ``model`` (the model's shape; default: the TransformerConfig's)."""
-        from runtime.train.common import plan_meta
+        from runtime.train.build import plan_meta
 
         if model is None and self.config is not None:
             model = {k: getattr(self.config, k) for k in _SHAPE_FIELDS}

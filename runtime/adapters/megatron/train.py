@@ -52,7 +52,8 @@ from runtime.adapters.megatron.model import (
 from runtime.data.plan_reader import PlanReader
 from runtime.data.tokens import TokenSource
 from runtime.train import checkpoint as native_checkpoint
-from runtime.train.common import EvalLog, StepLog, StepLogger, TrainResult, checkpoint_meta
+from runtime.train.build import checkpoint_meta
+from runtime.train.common import EvalLog, StepLog, StepLogger, TrainResult
 from runtime.train.config import TrainConfig, should_evaluate, step_range
 from runtime.train.megatron_options import MegatronOptions
 from runtime.train.model import GPTConfig
