@@ -23,9 +23,9 @@ import torch
 
 from runtime.data.plan_reader import PlanReader
 from runtime.train import checkpoint
-from runtime.train.common import TrainResult
 from runtime.train.config import DTYPES, TrainConfig
 from runtime.train.model import GPT, GPTConfig
+from runtime.train.runlog import TrainResult
 
 
 def build_model(model_config: GPTConfig, seed: int, device: torch.device) -> GPT:

@@ -287,7 +287,7 @@ def _field_notices(cfg: TrainConfig) -> None:
 
 
 def _require_training_plan(plan: str) -> None:
-    """An evaluation plan given as ``--plan`` is refused (``common.require_training_plan``)."""
+    """An evaluation plan given as ``--plan`` is refused (``preflight.require_training_plan``)."""
     from planner.planfile.io import PlanFile
 
     with PlanFile(plan) as f:

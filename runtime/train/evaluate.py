@@ -34,10 +34,10 @@ from runtime.dist.groups import GroupCatalog
 from runtime.dist.topology import Topology
 from runtime.train.backends import AttentionBackend, make_backend
 from runtime.train.build import autocast_context
-from runtime.train.common import EvalLog
 from runtime.train.config import TrainConfig
 from runtime.train.loss import per_token_loss
 from runtime.train.model import GPT, GPTConfig, check_token_ids
+from runtime.train.runlog import EvalLog
 
 
 class Evaluator:

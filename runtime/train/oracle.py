@@ -32,7 +32,6 @@ from runtime.train.build import (
     checkpoint_meta,
     copy_final_state,
 )
-from runtime.train.common import EvalLog, StepLog, StepLogger, TrainResult
 from runtime.train.config import TrainConfig, should_evaluate, step_range
 from runtime.train.guards import nonfinite_ok
 from runtime.train.model import GPT, GPTConfig, check_token_ids, sequence_attention
@@ -43,6 +42,7 @@ from runtime.train.preflight import (
     run_inputs,
 )
 from runtime.train.procgroup import resolve_device
+from runtime.train.runlog import EvalLog, StepLog, StepLogger, TrainResult
 
 
 def sequences_of_step(reader: PlanReader, source: TokenSource, step: int, vocab_size: int = 0

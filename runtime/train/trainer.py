@@ -64,7 +64,6 @@ from runtime.train.build import (
     checkpoint_meta,
     copy_final_state,
 )
-from runtime.train.common import EvalLog, StepLog, StepLogger, TrainResult
 from runtime.train.config import TrainConfig, should_evaluate, step_range
 from runtime.train.evaluate import Evaluator
 from runtime.train.guards import nonfinite_ok
@@ -77,6 +76,7 @@ from runtime.train.preflight import (
     run_inputs,
 )
 from runtime.train.procgroup import pg_timeout, resolve_device
+from runtime.train.runlog import EvalLog, StepLog, StepLogger, TrainResult
 
 
 class Trainer:

@@ -34,7 +34,7 @@ from runtime.data.evaluation import EvalSchedule, check_eval_layout
 from runtime.data.plan_reader import PlanReader
 from runtime.data.plan_source import open_plan_source
 from runtime.train.backends import AttentionBackend
-from runtime.train.common import EvalLog
+from runtime.train.runlog import EvalLog
 
 if TYPE_CHECKING:
     from runtime.adapters.torchtitan.data import PlanDataLoader

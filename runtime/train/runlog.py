@@ -1,9 +1,15 @@
-"""What the replayed run, the oracle and the framework adapters share: the run's log records
-(the run's config is ``runtime.train.config``, its process group ``runtime.train.procgroup``,
-its model, optimizer and checkpoint binding ``runtime.train.build``).
+"""The run's log: ``StepLog`` and ``EvalLog`` (one JSON line per training step and per
+evaluation), ``StepLogger`` (rank 0's writer: stdout, ``--log-jsonl``, the progress bar, and
+the end-of-run summary of ``run_summary`` / ``format_run_summary``), and ``TrainResult``
+(the records, with the final state on request, that a run returns to its caller).
 
-It exists so that ``runtime.train.trainer`` (the replayed run) and ``runtime.train.oracle``
-(its single-process reference) depend on one module and never on each other.
+Every engine writes these same records, the native loop and its oracle as well as each
+framework adapter, so two runs of one plan compare line by line (``loss``, ``tokens``,
+``loss_tokens``) whatever ``--framework`` ran them; keys that only some engines know
+(``grad_norm``, MoE and MTP terms) are left out of a line rather than written as null.
+
+Trade-off: the logger keeps every step's record in memory until ``close``, so the summary can
+give exact medians and totals; a small record per step, fine for the step counts of a plan.
 """
 
 from __future__ import annotations
