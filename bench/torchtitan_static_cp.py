@@ -45,7 +45,8 @@ from runtime.adapters.torchtitan.trainer import PlanMetrics, copy_seeded_weights
 from runtime.data.plan_reader import PlanReader
 from runtime.data.tokens import open_token_source
 from runtime.train.cli import parse_args
-from runtime.train.common import StepLog, StepLogger, init_process_group
+from runtime.train.procgroup import init_process_group
+from runtime.train.runlog import StepLog, StepLogger
 
 
 class PackedLoader(BaseDataLoader):

@@ -41,16 +41,9 @@ from planner.sources.dataset import parse_data_path
 from planner.sources.fieldname import override_notice
 from runtime.adapters import FRAMEWORKS, load_launcher
 from runtime.train.backends import ATTENTIONS
-from runtime.train.common import (
-    DTYPES,
-    GRAD_SYNCS,
-    MegatronOptions,
-    TrainConfig,
-    process_group,
-    require_one_process,
-)
+from runtime.train.config import DTYPES, TrainConfig
 from runtime.train.guards import Terminated, describe_dist_error, raise_terminated
-from runtime.train.megatron_options import LOAD_BALANCING_TYPES
+from runtime.train.megatron_options import GRAD_SYNCS, LOAD_BALANCING_TYPES, MegatronOptions
 from runtime.train.model import (
     MODEL_FLAGS,
     GPTConfig,
@@ -59,6 +52,7 @@ from runtime.train.model import (
 )
 from runtime.train.oracle import train_reference
 from runtime.train.preflight import check_outputs, require_training_plan
+from runtime.train.procgroup import process_group, require_one_process
 from runtime.train.trainer import Trainer
 
 TRAIN_FLAGS = {**MODEL_FLAGS, "save_every": "--save-every", "steps": "--steps",
@@ -293,7 +287,7 @@ def _field_notices(cfg: TrainConfig) -> None:
 
 
 def _require_training_plan(plan: str) -> None:
-    """An evaluation plan given as ``--plan`` is refused (``common.require_training_plan``)."""
+    """An evaluation plan given as ``--plan`` is refused (``preflight.require_training_plan``)."""
     from planner.planfile.io import PlanFile
 
     with PlanFile(plan) as f:

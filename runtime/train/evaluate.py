@@ -33,9 +33,11 @@ from runtime.data.plan_source import open_plan_source
 from runtime.dist.groups import GroupCatalog
 from runtime.dist.topology import Topology
 from runtime.train.backends import AttentionBackend, make_backend
-from runtime.train.common import EvalLog, TrainConfig, autocast_context
+from runtime.train.build import autocast_context
+from runtime.train.config import TrainConfig
 from runtime.train.loss import per_token_loss
 from runtime.train.model import GPT, GPTConfig, check_token_ids
+from runtime.train.runlog import EvalLog
 
 
 class Evaluator:

@@ -25,21 +25,14 @@ from runtime.data.plan_reader import PlanReader
 from runtime.data.plan_source import open_plan_source
 from runtime.data.tokens import TokenSource
 from runtime.train import checkpoint
-from runtime.train.common import (
-    EvalLog,
-    StepLog,
-    StepLogger,
-    TrainConfig,
-    TrainResult,
+from runtime.train.build import (
     autocast_context,
     build_model,
     build_optimizer,
     checkpoint_meta,
     copy_final_state,
-    resolve_device,
-    should_evaluate,
-    step_range,
 )
+from runtime.train.config import TrainConfig, should_evaluate, step_range
 from runtime.train.guards import nonfinite_ok
 from runtime.train.model import GPT, GPTConfig, check_token_ids, sequence_attention
 from runtime.train.preflight import (
@@ -48,6 +41,8 @@ from runtime.train.preflight import (
     require_training_plan,
     run_inputs,
 )
+from runtime.train.procgroup import resolve_device
+from runtime.train.runlog import EvalLog, StepLog, StepLogger, TrainResult
 
 
 def sequences_of_step(reader: PlanReader, source: TokenSource, step: int, vocab_size: int = 0

@@ -12,7 +12,7 @@ import os
 import sys
 
 from planner.fileguard import check_directory, check_output
-from runtime.train.common import TrainConfig
+from runtime.train.config import TrainConfig
 
 
 def run_inputs(cfg: TrainConfig) -> list[str]:

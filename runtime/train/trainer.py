@@ -57,22 +57,14 @@ from runtime.dist.groups import GroupCatalog
 from runtime.dist.topology import Topology
 from runtime.train import checkpoint
 from runtime.train.backends import make_backend
-from runtime.train.common import (
-    EvalLog,
-    StepLog,
-    StepLogger,
-    TrainConfig,
-    TrainResult,
+from runtime.train.build import (
     autocast_context,
     build_model,
     build_optimizer,
     checkpoint_meta,
     copy_final_state,
-    pg_timeout,
-    resolve_device,
-    should_evaluate,
-    step_range,
 )
+from runtime.train.config import TrainConfig, should_evaluate, step_range
 from runtime.train.evaluate import Evaluator
 from runtime.train.guards import nonfinite_ok
 from runtime.train.loss import per_token_loss
@@ -83,6 +75,8 @@ from runtime.train.preflight import (
     require_training_plan,
     run_inputs,
 )
+from runtime.train.procgroup import pg_timeout, resolve_device
+from runtime.train.runlog import EvalLog, StepLog, StepLogger, TrainResult
 
 
 class Trainer:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from planner.cli import main as plan_main
-from runtime.train.common import TrainConfig
+from runtime.train.config import TrainConfig
 from runtime.train.model import GPTConfig
 from tests.dist import run_distributed
 from tests.reliability.helpers import write_token_jsonl

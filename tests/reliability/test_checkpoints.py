@@ -238,7 +238,7 @@ def test_torchtitan_save_target_uses_its_own_layout(run: dict[str, Path]) -> Non
     from dataclasses import replace
 
     from runtime.adapters.torchtitan.config import check_titan_start
-    from runtime.train.common import TrainConfig
+    from runtime.train.config import TrainConfig
 
     cfg = TrainConfig(plan=str(run["plan"]), dataset=str(run["data"]), steps=4, save_every=2,
                       save=str(run["dir"] / "titan"))

@@ -220,7 +220,7 @@ def test_stalled_rank_times_out_in_every_group() -> None:
 
 def test_timeout_flag_reaches_the_process_groups() -> None:
     from runtime.train.cli import parse_args
-    from runtime.train.common import pg_timeout
+    from runtime.train.procgroup import pg_timeout
 
     cfg = parse_args(["--plan", "p", "--dataset", "d"])[0]
     assert pg_timeout(cfg.distributed_timeout_minutes) == timedelta(minutes=10)

@@ -60,8 +60,9 @@ from runtime.data.plan_reader import PlanReader
 from runtime.data.plan_source import check_plan_source, open_plan_source
 from runtime.data.tokens import TokenSource
 from runtime.dist.topology import Topology
-from runtime.train.common import DTYPES, MegatronOptions
+from runtime.train.config import DTYPES
 from runtime.train.guards import nonfinite_ok
+from runtime.train.megatron_options import MegatronOptions
 
 ModelProvider = Callable[..., nn.Module]
 _SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
@@ -358,7 +359,7 @@ class PlanJob:
     def checkpoint_meta(self, model: dict[str, Any] | None = None) -> dict[str, Any]:
         """What a checkpoint must match on resume: the plan (header digest), its dataset and
         step count, and ``model`` (the model's shape; default: the TransformerConfig's)."""
-        from runtime.train.common import plan_meta
+        from runtime.train.build import plan_meta
 
         if model is None and self.config is not None:
             model = {k: getattr(self.config, k) for k in _SHAPE_FIELDS}

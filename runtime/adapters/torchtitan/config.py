@@ -40,7 +40,7 @@ from runtime.adapters.torchtitan.trainer import PlanMetrics, PlanTrainer
 from runtime.adapters.torchtitan.validate import PlanValidator
 from runtime.data.plan_reader import PlanReader
 from runtime.train.checkpoint import check_save_target
-from runtime.train.common import TrainConfig
+from runtime.train.config import TrainConfig
 from runtime.train.model import GPTConfig
 from runtime.train.preflight import announce_resume, check_resume_step, run_inputs
 

@@ -13,8 +13,9 @@ from runtime.adapters.torchtitan.config import check_titan_start, trainer_config
 from runtime.adapters.torchtitan.oracle import train_reference
 from runtime.adapters.torchtitan.titan import DEVICE_TYPE, quiet_upstream_warnings
 from runtime.adapters.torchtitan.trainer import PlanTrainer
-from runtime.train.common import TrainConfig, process_group, require_one_process
+from runtime.train.config import TrainConfig
 from runtime.train.model import GPTConfig
+from runtime.train.procgroup import process_group, require_one_process
 
 SUPPORTS_EVAL = True
 """This adapter runs ``--eval-plan`` (torchtitan's validation hook on ``EvalSchedule``)."""

@@ -20,15 +20,11 @@ from runtime.data.evaluation import check_eval_layout
 from runtime.data.plan_reader import PlanReader
 from runtime.data.plan_source import open_plan_source
 from runtime.data.tokens import TokenSource
-from runtime.train.common import (
-    StepLogger,
-    TrainConfig,
-    TrainResult,
-    resolve_device,
-    should_evaluate,
-)
+from runtime.train.config import TrainConfig, should_evaluate
 from runtime.train.model import GPTConfig, sequence_attention
 from runtime.train.oracle import SegmentLogits, reference_eval, reference_step
+from runtime.train.procgroup import resolve_device
+from runtime.train.runlog import StepLogger, TrainResult
 
 
 def _logits(model: torch.nn.Module, cfg: TrainConfig) -> SegmentLogits:

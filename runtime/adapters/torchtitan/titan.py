@@ -207,7 +207,7 @@ KNOWN_WARNINGS = (
         r"torch\.distributed is already initialized\. Skipping init_distributed",
         category=None,
         why="distributed/utils.py init_distributed, once per rank: dcp-train creates the "
-        "process group itself (runtime.train.common.process_group, with "
+        "process group itself (runtime.train.procgroup.process_group, with "
         "--distributed-timeout-minutes), and PlanTrainer applies the timeout to torchtitan's "
         "mesh groups (set_group_timeout); nothing of torchtitan's comm config is lost"),
     KnownWarning(

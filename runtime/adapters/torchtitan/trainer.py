@@ -53,8 +53,9 @@ from runtime.adapters.torchtitan.validate import PlanValidator
 from runtime.data.batch import to_device
 from runtime.dist.groups import set_group_timeout
 from runtime.train.backends import ATTENTIONS, AttentionBackend, make_backend
-from runtime.train.common import EvalLog, StepLog, StepLogger, TrainConfig
+from runtime.train.config import TrainConfig
 from runtime.train.guards import nonfinite_ok
+from runtime.train.runlog import EvalLog, StepLog, StepLogger
 
 
 class PlanMetrics(MetricsProcessor):

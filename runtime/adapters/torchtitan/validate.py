@@ -9,7 +9,7 @@ entropy and the valid labels over the pass, reduces both over the pool once and 
 eval_loss = sum / count to torchtitan's metrics (``log_validation``) and to the run's JSON lines
 (``EvalLog``, the native format). When: after every ``interval`` completed steps (counted from
 step 0, so a resumed run evaluates where the uninterrupted one does) and after the last step,
-the native rule (``runtime.train.common.should_evaluate``).
+the native rule (``runtime.train.config.should_evaluate``).
 
 The validator touches no training state (``torch.no_grad``, the model's mode restored), so a
 run with evaluation trains bit for bit as the same run without it.
@@ -34,7 +34,7 @@ from runtime.data.evaluation import EvalSchedule, check_eval_layout
 from runtime.data.plan_reader import PlanReader
 from runtime.data.plan_source import open_plan_source
 from runtime.train.backends import AttentionBackend
-from runtime.train.common import EvalLog
+from runtime.train.runlog import EvalLog
 
 if TYPE_CHECKING:
     from runtime.adapters.torchtitan.data import PlanDataLoader

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from runtime.adapters.megatron.compat import mcore
-from runtime.train.common import MegatronOptions
+from runtime.train.megatron_options import MegatronOptions
 
 
 class PoolGradSync(nn.Module):

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from runtime.adapters.megatron.compat import mcore
-from runtime.train.common import MegatronOptions, TrainConfig
+from runtime.train.config import TrainConfig
+from runtime.train.megatron_options import MegatronOptions
 
 OPTIMIZER_NAMES = {True: "megatron-distributed", False: "megatron"}
 """The run summary's ``optimizer`` for Megatron's optimizer, by ``use_distributed_optimizer``."""

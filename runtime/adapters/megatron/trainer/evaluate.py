@@ -28,7 +28,8 @@ from runtime.adapters.megatron.binding.groups import MegatronGroups
 from runtime.data.evaluation import EvalSchedule, check_eval_layout
 from runtime.data.plan_reader import PlanReader
 from runtime.data.plan_source import open_plan_source
-from runtime.train.common import EvalLog, TrainConfig
+from runtime.train.config import TrainConfig
+from runtime.train.runlog import EvalLog
 
 
 class MegatronEvaluator:

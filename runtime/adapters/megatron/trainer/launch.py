@@ -12,8 +12,9 @@ from __future__ import annotations
 from runtime.adapters.megatron.compat.known_warnings import quiet_upstream_warnings
 from runtime.adapters.megatron.trainer.oracle import train_reference
 from runtime.adapters.megatron.trainer.train import MegatronTrainer
-from runtime.train.common import TrainConfig, process_group, require_one_process
+from runtime.train.config import TrainConfig
 from runtime.train.model import GPTConfig
+from runtime.train.procgroup import process_group, require_one_process
 
 SUPPORTS_EVAL = True
 """This adapter runs ``--eval-plan`` (Megatron's forward-only schedule on ``EvalSchedule``)."""

@@ -29,18 +29,11 @@ from runtime.data.evaluation import check_eval_layout
 from runtime.data.plan_reader import PlanReader
 from runtime.data.plan_source import open_plan_source
 from runtime.dist.topology import Topology
-from runtime.train.common import (
-    DTYPES,
-    StepLogger,
-    TrainConfig,
-    TrainResult,
-    pg_timeout,
-    resolve_device,
-    should_evaluate,
-    step_range,
-)
+from runtime.train.config import DTYPES, TrainConfig, should_evaluate, step_range
 from runtime.train.model import GPTConfig
 from runtime.train.oracle import SegmentLogits, SegmentTerms, reference_eval, reference_step
+from runtime.train.procgroup import pg_timeout, resolve_device
+from runtime.train.runlog import StepLogger, TrainResult
 
 
 def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,

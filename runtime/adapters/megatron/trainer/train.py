@@ -53,20 +53,13 @@ from runtime.adapters.megatron.trainer.evaluate import MegatronEvaluator
 from runtime.data.plan_reader import PlanReader
 from runtime.data.tokens import TokenSource
 from runtime.train import checkpoint as native_checkpoint
-from runtime.train.common import (
-    EvalLog,
-    MegatronOptions,
-    StepLog,
-    StepLogger,
-    TrainConfig,
-    TrainResult,
-    checkpoint_meta,
-    resolve_device,
-    should_evaluate,
-    step_range,
-)
+from runtime.train.build import checkpoint_meta
+from runtime.train.config import TrainConfig, should_evaluate, step_range
+from runtime.train.megatron_options import MegatronOptions
 from runtime.train.model import GPTConfig
 from runtime.train.preflight import check_resume_step, require_training_plan, run_inputs
+from runtime.train.procgroup import resolve_device
+from runtime.train.runlog import EvalLog, StepLog, StepLogger, TrainResult
 
 ATTENTION_SPECS = {"reference": "plan", "te": "te"}
 """``--attention`` -> the core attention behind Megatron's spec (``model.layer_spec``)."""

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from runtime.train import TrainConfig
-from runtime.train.common import MegatronOptions
+from runtime.train.megatron_options import MegatronOptions
 from runtime.train.model import GPTConfig
 from tests.dist import run_distributed
 from tests.runtime.adapters.megatron.harness import (

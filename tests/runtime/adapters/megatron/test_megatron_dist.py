@@ -23,7 +23,7 @@ import torch
 
 from runtime.data.plan_reader import PlanReader
 from runtime.train import TrainConfig
-from runtime.train.common import MegatronOptions
+from runtime.train.megatron_options import MegatronOptions
 from runtime.train.model import GPTConfig
 from tests.dist import run_distributed
 from tests.runtime.adapters.megatron.harness import (

@@ -22,7 +22,7 @@ import pytest
 
 from runtime.data.plan_reader import PlanReader
 from runtime.train import TrainConfig, TrainResult
-from runtime.train.common import MegatronOptions
+from runtime.train.megatron_options import MegatronOptions
 from tests.dist import run_distributed
 from tests.runtime.adapters.megatron.harness import (
     MODEL,

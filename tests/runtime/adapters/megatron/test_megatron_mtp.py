@@ -23,7 +23,7 @@ from runtime.data.mtp import mtp_inputs
 from runtime.data.plan_reader import PlanReader
 from runtime.data.shard import zigzag_indices_np
 from runtime.data.tokens import open_token_source
-from runtime.train.common import MegatronOptions
+from runtime.train.megatron_options import MegatronOptions
 from tests.dist import run_distributed
 from tests.runtime.adapters.megatron.harness import (
     MODEL,

@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 import torch
 
-from runtime.train.common import StepLog, TrainConfig, TrainResult
+from runtime.train.config import TrainConfig
 from runtime.train.model import GPTConfig
+from runtime.train.runlog import StepLog, TrainResult
 from tests.dist import run_distributed
 from tests.runtime.data.test_eval_dist import _eval_lengths, write_eval_set
 from tests.runtime.train.test_train_dist import _cp_sizes_used, _lengths, _plan, _write_dataset

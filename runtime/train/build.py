@@ -1,0 +1,66 @@
+"""What a run is built from and bound to: the native model (``build_model``: weights from the
+seed, fp32 master weights), its optimizer (``build_optimizer``), the ``--dtype`` autocast
+(``autocast_context``), the final state a caller asked for (``copy_final_state``), and what a
+checkpoint records so that a resume can refuse another run's (``plan_meta``,
+``checkpoint_meta``).
+
+The replayed run (``runtime.train.trainer``) and its oracle (``runtime.train.oracle``) build
+through these same functions, so the oracle's weights, optimizer arithmetic and autocast are the
+run's by construction. Megatron's adapter builds Megatron's model but binds its checkpoints
+with ``plan_meta`` / ``checkpoint_meta`` too.
+
+Trade-off: AdamW runs per tensor (``foreach=False``), slower than the fused kernels, so that
+every rank and the reference do the same arithmetic and their weights can be compared exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+
+from runtime.data.plan_reader import PlanReader
+from runtime.train import checkpoint
+from runtime.train.config import DTYPES, TrainConfig
+from runtime.train.model import GPT, GPTConfig
+from runtime.train.runlog import TrainResult
+
+
+def build_model(model_config: GPTConfig, seed: int, device: torch.device) -> GPT:
+    """The model with weights from ``seed``, fp32 master weights on ``device``."""
+    return GPT(model_config, seed=seed).to(device)
+
+
+def build_optimizer(model: GPT, cfg: TrainConfig) -> torch.optim.Optimizer:
+    # foreach=False: the same per-tensor arithmetic on every rank and in the reference.
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                             foreach=False)
+
+
+def autocast_context(cfg: TrainConfig, device: torch.device) -> AbstractContextManager[Any]:
+    """Autocast to ``cfg.dtype`` on ``device``'s type; nothing under fp32."""
+    if cfg.dtype == "fp32":
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=DTYPES[cfg.dtype])
+
+
+def plan_meta(reader: PlanReader) -> dict[str, Any]:
+    """What a checkpoint records of its plan. The header digest: a resume must replay the same
+    batches, and another plan of the same dataset and step count would pass every other check."""
+    plan = hashlib.sha256(reader.header.to_json().encode()).hexdigest()[:16]
+    return {"dataset": reader.header.dataset.fingerprint, "num_steps": reader.num_steps,
+            "plan": plan}
+
+
+def checkpoint_meta(model_config: GPTConfig, reader: PlanReader) -> dict[str, Any]:
+    """What a checkpoint must match on resume: the model's shape and ``plan_meta``."""
+    return {"model": checkpoint.config_meta(model_config), **plan_meta(reader)}
+
+
+def copy_final_state(result: TrainResult, model: GPT) -> None:
+    """Copy the weights and the last step's gradients (AdamW leaves ``.grad`` as it was)."""
+    result.state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    result.grads = {k: p.grad.detach().cpu().clone() for k, p in model.named_parameters()
+                    if p.grad is not None}
