@@ -7,7 +7,7 @@ wrapped in Megatron's ``DistributedDataParallel`` (``get_model``), Megatron's op
 ``forward_step`` that binds each microbatch's CP group and returns the per-token loss, the
 step's loss over the pool, the non-finite verdict, and ``save`` / ``load`` through Megatron's
 ``dist_checkpointing``. ``MegatronTrainer`` (``dcp-train --framework megatron``) is built from
-it; the README's "Using a plan in Megatron-core" is a complete job.
+it; docs/megatron.md's "Your own Megatron job" is a complete job.
 
 Lower-level pieces stay importable from their modules for callers who assemble their own
 (``batch.PlanBatches``, ``binding.bind_cp_group``, ``loss.loss_func``, ``groups.create_groups``
