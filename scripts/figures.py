@@ -1,4 +1,4 @@
-"""Render the README's plan figures into docs/: a 32-step plan (data/sample.jsonl) and a
+"""Render docs/planning.md's plan figures into docs/: a 32-step plan (data/sample.jsonl) and a
 2,000-step plan (64,000 long-tail synthetic lengths), each as ``plot_summary`` and one step's
 ``plot_step_load``.
 

@@ -17,7 +17,7 @@ against)."""
 
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 """``--moe-router-load-balancing-type``: what each means under dynamic CP is in
-``runtime.adapters.megatron.binding.moe`` (and the README)."""
+``runtime.adapters.megatron.binding.moe`` (and docs/megatron.md)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

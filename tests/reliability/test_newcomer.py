@@ -228,9 +228,9 @@ def test_show_refuses_a_bare_step_number(tmp_path: Path,
     out = capsys.readouterr()
     assert [json.loads(x)["step"] for x in out.out.splitlines()] == [29, 30, 31]
     assert out.err == ""
-    # The README's comment says so too (it said "-3: the last 3").
-    readme = (ROOT / "README.md").read_text()
-    assert "--steps 0:10            # per-step table ('-3:' is the last 3)" in readme
+    # The planning page's comment says so too (the README's said "-3: the last 3").
+    page = (ROOT / "docs" / "planning.md").read_text()
+    assert "--steps 0:10            # per-step table ('-3:' is the last 3)" in page
 
 
 def test_counts_are_refused_when_negative(tmp_path: Path,

@@ -7,7 +7,7 @@ wrapped in Megatron's ``DistributedDataParallel`` (``get_model``), Megatron's op
 ``forward_step`` that binds each microbatch's CP group and returns the per-token loss, the
 step's loss over the pool, the non-finite verdict, and ``save`` / ``load`` through Megatron's
 ``dist_checkpointing``. ``MegatronTrainer`` (``dcp-train --framework megatron``) is built from
-it; ``docs`` has "Using a plan in Megatron-core", a complete job.
+it; docs/megatron.md's "Your own Megatron job" is a complete job.
 
 The sub-packages are layers, each importing only from those before it:
 

@@ -1,7 +1,7 @@
 """dcp-train's flags -> the torchtitan ``PlanTrainer.Config`` a torchtitan user would write.
 
-``trainer_config`` is the single translation; README's "Using a plan in torchtitan" shows the
-same config written by hand. Fixed choices, each forced by the plan:
+``trainer_config`` is the single translation; docs/torchtitan.md's "Your own torchtitan job"
+shows the same config written by hand. Fixed choices, each forced by the plan:
 
 - ``parallelism``: FSDP over the whole pool (``data_parallel_shard_degree=-1``), torchtitan's
   own context parallelism off (the plan's groups replace it), ``partial_dtensor`` SPMD backend
