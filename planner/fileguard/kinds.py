@@ -104,6 +104,8 @@ KINDS: dict[str, OutputKind] = {
     "plan": OutputKind("plan", is_plan_file, "is not a dcp plan"),
     "summary": OutputKind("summary", _is_json_document, "is not a JSON summary"),
     "cost-model": OutputKind("cost model", _is_json_document, "is not a JSON cost model"),
+    "plan-record": OutputKind("plan record", _is_json_document,
+                              "is not a JSON plan record (dcp_plan.json)"),
     "log": OutputKind("log", _is_log, "is not a dcp-train JSON-lines log"),
     "figure": OutputKind("figure", _magic(b"\x89png", b"<?xml", b"<svg", b"%pdf"),
                          "is not a figure (PNG, SVG, PDF)"),

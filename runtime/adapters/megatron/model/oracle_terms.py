@@ -124,7 +124,7 @@ class MTPTerms:
     SegmentTerms``): each segment alone, depth d trained on the segment's labels and loss mask
     moved d positions on (the last d positions get none), weighted ``mtp_loss_scaling_factor /
     D`` in the loss sum; ``mtp_logits`` holds the last segment's MTP logits ``[D * L, V]``
-    (``oracle._logits`` puts them there)."""
+    (``oracle.segment_logits`` puts them there)."""
 
     def __init__(self, options: MegatronOptions, mtp_logits: dict[str, Tensor]) -> None:
         self.depth = options.mtp_num_layers

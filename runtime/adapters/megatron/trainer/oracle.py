@@ -74,7 +74,7 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
         try:
             steps = step_range(cfg, 0, reader.num_steps)
             mtp_logits: dict[str, torch.Tensor] = {}
-            logits_of = _logits(model, cfg, device, mtp_logits)
+            logits_of = segment_logits(model, cfg, device, mtp_logits)
             terms: SegmentTerms | None = None
             if cfg.megatron.moe:
                 terms = MoETerms(model, cfg.megatron, reader, logits_of)
@@ -113,7 +113,7 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
             close()
 
 
-def _logits(model: torch.nn.Module, cfg: TrainConfig, device: torch.device,
+def segment_logits(model: torch.nn.Module, cfg: TrainConfig, device: torch.device,
             mtp_logits: dict[str, torch.Tensor]) -> SegmentLogits:
     """Megatron's GPTModel on one whole segment as a ``[1, L]`` batch: logits ``[L, V]``; a
     model with multi-token prediction also returns each depth's (``mtp.py``), which go to
@@ -129,4 +129,4 @@ def _logits(model: torch.nn.Module, cfg: TrainConfig, device: torch.device,
     return logits_of
 
 
-__all__ = ["train_reference"]
+__all__ = ["segment_logits", "train_reference"]

@@ -1,0 +1,199 @@
+"""``PlanSession``: a plan bound to the groups and the model of a running Megatron-LM job.
+
+It owns what the launcher's hooks hand to Megatron-LM: per training step the plan's data
+iterator (one per model chunk under virtual pipelining) and its microbatch count, per
+evaluation iteration the eval plan's, and the ``forward_step_func`` that binds each
+microbatch's CP group (``runtime.adapters.megatron.binding.forward``: RoPE and core attention)
+and returns the per-token loss. It reuses the adapter's binding as it is: ``PlanBatches``
+turns plan rows into Megatron batches, ``groups_from_parallel_state`` wraps Megatron's own
+hybrid DP x CP groups (the launcher asks ``initialize_model_parallel`` for them), so no group
+is created twice.
+
+FLOPs: Megatron-LM's throughput line counts packed work from ``cu_seqlens`` that every rank of
+a data-parallel replica adds (``update_seqlen_stats_from_cu_seqlens``) and divides the world's
+sum by tp x cp x pp. A CP group of k ranks shares one pack, so only its rank 0 adds the pack's
+real ``cu_seqlens`` and the others add nothing but still take part in the all-reduce; only the
+first model chunk adds (virtual stages see the same microbatch). Every rank of a TP group and
+every pipeline stage adds, as Megatron-LM's own forward step does, and is divided out.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from runtime.adapters.megatron.binding.batch import Batch, PlanBatches
+from runtime.adapters.megatron.binding.forward import ForwardOptions, forward_step
+from runtime.adapters.megatron.binding.groups import MegatronGroups, groups_from_parallel_state
+from runtime.adapters.megatron.binding.step_loss import reduce_reports
+from runtime.adapters.megatron.compat import mcore
+from runtime.data.evaluation import EvalSchedule, check_eval_layout
+from runtime.data.plan_reader import PlanReader
+from runtime.data.plan_source import open_plan_source
+from runtime.data.tokens import TokenSource
+from runtime.dist.topology import Topology
+
+_CHUNK = "dcp_chunk"
+"""The batch key that tells the forward step which model chunk it runs (FLOPs count once)."""
+
+
+class PlanSession:
+    """The training plan (and an eval plan) of this rank, attached to Megatron-LM's job.
+
+    Built in two stages: ``open`` at argument validation (the plans and their datasets, before
+    any group exists: every check can still fail cheaply), ``attach`` once Megatron-LM built
+    its groups and model.
+    """
+
+    def __init__(self, plan: str, eval_plan: str = "") -> None:
+        self.reader = PlanReader(plan)
+        self.eval_reader: PlanReader | None = None
+        try:
+            if eval_plan:
+                self.eval_reader = PlanReader(eval_plan)
+                check_eval_layout(self.eval_reader.header, self.reader.header,
+                                  eval_source=eval_plan, train_source=plan)
+        except BaseException:
+            self.close()
+            raise
+        self.source: TokenSource | None = None
+        self.eval_source: TokenSource | None = None
+        self.groups: MegatronGroups | None = None
+        self.batches: PlanBatches | None = None
+        self.eval_batches: PlanBatches | None = None
+        self.eval_schedule: EvalSchedule | None = None
+        self.options: ForwardOptions | None = None
+        self.device = torch.device("cpu")
+        self.count_flops = False
+        """True while a training step runs (evaluation adds nothing to the FLOPs figure)."""
+
+    @property
+    def header(self) -> Any:
+        return self.reader.header
+
+    def open_sources(self, dataset: Sequence[str], eval_dataset: Sequence[str] = ()) -> None:
+        """Open the plans' datasets (fingerprints checked: ``open_plan_source``)."""
+        self.source = open_plan_source(self.reader, tuple(dataset) or _plan_files(self.reader))
+        if self.eval_reader is not None:
+            self.eval_source = open_plan_source(
+                self.eval_reader, tuple(eval_dataset) or _plan_files(self.eval_reader))
+
+    def attach(self, model: Sequence[nn.Module], *, device: torch.device, vocab_size: int,
+               eval_iters: int) -> None:
+        """Bind to Megatron's initialised ``parallel_state`` and this rank's model chunks."""
+        assert self.source is not None, "open_sources first"
+        ps = mcore.parallel_state
+        p = self.header.parallel
+        topology = Topology.from_header(p, rank=dist.get_rank(),
+                                        world_size=dist.get_world_size())
+        megatron_pool_rank = ps.get_data_parallel_rank(with_context_parallel=True)
+        if megatron_pool_rank != topology.pool_rank or \
+                ps.get_tensor_model_parallel_rank() != topology.tp_rank or \
+                ps.get_pipeline_model_parallel_rank() != topology.pp_rank:
+            raise ValueError(f"rank {dist.get_rank()}: Megatron-LM placed it at pool rank "
+                             f"{megatron_pool_rank}, tp rank "
+                             f"{ps.get_tensor_model_parallel_rank()}, pp rank "
+                             f"{ps.get_pipeline_model_parallel_rank()}; the plan's order puts "
+                             f"it at {topology.pool_rank}, {topology.tp_rank}, "
+                             f"{topology.pp_rank} (use Megatron-LM's default tp-cp-ep-dp-pp "
+                             "order, without --use-tp-pp-dp-mapping)")
+        self.groups = groups_from_parallel_state(topology, self.header.cp_sizes)
+        self.device = device
+        self.batches = PlanBatches(self.reader, self.source, self.groups, num_chunks=len(model),
+                                   device=device, vocab_size=vocab_size)
+        self.options = ForwardOptions(tp_group=self.groups.pg_collection.tp)
+        if self.eval_reader is not None and self.eval_source is not None:
+            self.eval_schedule = EvalSchedule(self.eval_reader, self.eval_source, topology,
+                                              self.groups.catalog, max_steps=eval_iters)
+            self.eval_batches = PlanBatches(self.eval_reader, self.eval_source, self.groups,
+                                            num_chunks=len(model), device=device,
+                                            vocab_size=vocab_size)
+
+    # ---- what the schedule gets --------------------------------------------------------------
+
+    def num_microbatches(self, step: int) -> int:
+        return self.reader.step(step).num_microbatches
+
+    def data_iterator(self, step: int) -> Iterator[Batch] | list[Iterator[Batch]]:
+        """Training step ``step``'s batches (a list of one iterator per chunk under vpp)."""
+        assert self.batches is not None
+        batches = self.batches
+        its = [_tagged((batches.batch(step, m, c)
+                        for m in range(batches.num_microbatches(step))), c)
+               for c in range(batches.num_chunks)]
+        return its[0] if len(its) == 1 else its
+
+    def eval_num_microbatches(self, step: int) -> int:
+        assert self.eval_schedule is not None
+        return self.eval_schedule.step_num_microbatches[step]
+
+    def eval_data_iterator(self, step: int) -> Iterator[Batch] | list[Iterator[Batch]]:
+        """Eval plan step ``step``'s batches, built as training's."""
+        assert self.eval_schedule is not None and self.eval_batches is not None
+        schedule, batches = self.eval_schedule, self.eval_batches
+        its = [_tagged((batches.to_batch(micro.inputs, micro.rows, c)
+                        for micro in schedule.step_microbatches(step)), c)
+               for c in range(batches.num_chunks)]
+        return its[0] if len(its) == 1 else its
+
+    def forward_step(self, data_iterator: Iterator[Batch], model: nn.Module
+                     ) -> tuple[Any, Any]:
+        """Megatron-LM's ``forward_step_func`` for a plan microbatch (module docstring)."""
+        assert self.options is not None
+        batch = next(data_iterator)
+        if self.count_flops and batch.get(_CHUNK, 0) == 0:
+            _add_seqlen_stats(batch)
+        return forward_step(batch, model, self.options)
+
+    def step_loss_tokens(self, reports: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
+        """The step's (loss sum, loss tokens) over the pool, on every rank (collective)."""
+        assert self.groups is not None
+        topology = self.groups.topology
+        loss_sum, count, _ = reduce_reports(
+            reports, mtp_depth=0, device=self.device, pool_group=self.groups.catalog.pool_group,
+            pp_group=self.groups.pg_collection.pp if topology.pp > 1 else None)
+        return loss_sum, count
+
+    def step_tokens(self, step: int) -> int:
+        assert self.batches is not None
+        return self.batches.step_tokens(step)
+
+    def close(self) -> None:
+        for obj in (self.reader, self.eval_reader, self.source, self.eval_source):
+            close = getattr(obj, "close", None)
+            if close is not None:
+                close()
+
+
+def _tagged(batches: Iterator[Batch], chunk: int) -> Iterator[Batch]:
+    for batch in batches:
+        batch[_CHUNK] = chunk  # type: ignore[literal-required]
+        yield batch
+
+
+@functools.cache
+def _seqlen_stats() -> Any:
+    from runtime.adapters.megatron_lm import mlm
+
+    # 0.19 counts packed work from cu_seqlens; earlier releases count GBS x seq_length.
+    return getattr(mlm.training, "update_seqlen_stats_from_cu_seqlens", lambda cu: None)
+
+
+def _add_seqlen_stats(batch: Batch) -> None:
+    psp = batch["packed_seq_params"]
+    group = psp.cp_group
+    if group is None or group.size() == 1 or group.rank() == 0:
+        _seqlen_stats()(psp.cu_seqlens_q)
+    else:  # takes part in consume_seqlen_stats_in_iteration's all-reduce, adds nothing
+        _seqlen_stats()(torch.zeros(2, dtype=psp.cu_seqlens_q.dtype,
+                                    device=psp.cu_seqlens_q.device))
+
+
+def _plan_files(reader: PlanReader) -> tuple[str, ...]:
+    d = reader.header.dataset
+    return tuple(str(x["path"]) for x in d.files) or (d.path,)
