@@ -82,8 +82,6 @@ def run_command(command: list[str]) -> None:
         runpy.run_module(command[1], run_name="__main__", alter_sys=True)
         return
     script = command[0]
-    if not os.path.isfile(script):
-        raise ValueError(f"{script}: no such script")
     sys.argv = list(command)
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")
@@ -103,8 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         from runtime.adapters.megatron_lm import install
 
         install(options)
-        run_command(command)
+        if command[0] != "-m" and not os.path.isfile(command[0]):
+            raise ValueError(f"{command[0]}: no such script")
     except (ValueError, ReleaseError) as e:
         print(f"dcp launcher: {e}", file=sys.stderr)
         return 2
+    # From here on the user's script runs: its errors keep their tracebacks (the launcher's
+    # own checks exit with status 2 and a message, SystemExit).
+    run_command(command)
     return 0

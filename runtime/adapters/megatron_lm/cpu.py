@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -125,8 +126,41 @@ def tied_embeddings_synced_on_cpu() -> None:
     cls.setup_embeddings_and_output_layer = setup
 
 
+class _TrackerOnCpu:
+    """The RNG tracker as Megatron-LM's checkpoints see it on the CPU: the adapter's tracker
+    (Megatron's inference tracker: no CUDA states) saves one empty entry, because a load of an
+    empty dict exits the job (``checkpointing.py:2668``: "Unable to load rng state"); loading
+    sets nothing."""
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return {"cpu-host": torch.zeros(0, dtype=torch.uint8)}
+
+    def set_states(self, states: object) -> None:
+        del states
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(mcore.tp_random.get_cuda_rng_tracker(), name)
+
+
+class _TensorParallelForCheckpoints(types.ModuleType):
+    def __init__(self) -> None:
+        super().__init__("megatron.core.tensor_parallel")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(mcore.tensor_parallel, name)
+
+    @staticmethod
+    def get_cuda_rng_tracker() -> _TrackerOnCpu:
+        return _TrackerOnCpu()
+
+
+def rng_tracker_state_on_cpu() -> None:
+    # checkpointing.py:417 (save) and 2629-2684 (load) through its own tensor_parallel name.
+    mlm.checkpointing.tensor_parallel = _TensorParallelForCheckpoints()
+
+
 def apply() -> None:
     """Every patch above, once per process (after ``compat.patches.apply_patches``)."""
     for fn in (loop_modules_on_cpu, no_jit_warmup, device_arch_on_cpu,
-               tied_embeddings_synced_on_cpu):
+               tied_embeddings_synced_on_cpu, rng_tracker_state_on_cpu):
         cpu_patches.once(f"{fn.__module__}.{fn.__name__}", fn)

@@ -17,7 +17,8 @@
   plan's next step (``forward_only``: evaluation), so ``get_num_microbatches()`` keeps its global
   batch meaning for consumed samples, the LR schedule, logging and checkpoints;
 - ``training.train_step``, ``training.evaluate_and_print_results``: ``--log-jsonl`` lines;
-- ``training.save_checkpoint``: the plan record beside each checkpoint.
+- ``training.save_checkpoint`` / ``load_checkpoint``: the plan record beside each checkpoint;
+  a fresh torch Adam given the state the load describes (no Apex or TE).
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class Launcher:
         t.train_step = self._train_step(t.train_step)
         t.evaluate_and_print_results = self._evaluate(t.evaluate_and_print_results)
         t.save_checkpoint = self._save_checkpoint(t.save_checkpoint)
+        t.load_checkpoint = _load_checkpoint(t.load_checkpoint)
 
     # ---- arguments ---------------------------------------------------------------------------
 
@@ -227,8 +229,11 @@ class Launcher:
         def forward_backward(*, model: Any, forward_only: bool = False, **kw: Any) -> Any:
             chunks = model if isinstance(model, list) else [model]
             if s.batches is None:
-                s.attach(chunks, device=self.device, vocab_size=self.args.padded_vocab_size,
-                         eval_iters=self.args.eval_iters if s.eval_reader is not None else 0)
+                try:
+                    s.attach(chunks, device=self.device, vocab_size=self.args.padded_vocab_size,
+                             eval_iters=self.args.eval_iters if s.eval_reader else 0)
+                except ValueError as e:  # the job's rank order or groups are not the plan's
+                    _exit([str(e)])
             config = mlm.training.get_model_config(chunks[0])
             config.variable_seq_lengths = True
             if forward_only:
@@ -242,7 +247,9 @@ class Launcher:
                 kw["data_iterator"] = s.data_iterator(step)
                 kw["num_microbatches"] = s.num_microbatches(step)
             if self.on_cpu and self.args.pipeline_model_parallel_size > 1:
+                assert s.groups is not None
                 kw["p2p_communicator"] = self._p2p(config)
+                kw["pg_collection"] = kw.get("pg_collection") or s.groups.pg_collection
             s.count_flops = not forward_only
             try:
                 reports = real(model=model, forward_only=forward_only, **kw)
@@ -323,6 +330,19 @@ class Launcher:
         assert self.log is not None
         self.log.write(line.to_json() + "\n")
         self.log.flush()
+
+
+def _load_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
+    from runtime.adapters.megatron.parallel.checkpoint import fresh_adam_state
+
+    @functools.wraps(original)
+    def load_checkpoint(ddp_model: Any, optimizer: Any, *a: Any, **kw: Any) -> Any:
+        # Without Apex or TE Megatron's optimizer is torch's AdamW, which has no state before
+        # its first step: the distributed optimizer cannot describe what it is to load.
+        if optimizer is not None:
+            fresh_adam_state(optimizer)
+        return original(ddp_model, optimizer, *a, **kw)
+    return load_checkpoint
 
 
 def _data_path_files(data_path: list[str], reader: Any, given: tuple[str, ...]

@@ -14,7 +14,9 @@ forward (Megatron #7045 added the same try/finally upstream).
 
 Only the forward needs the binding: every backward that communicates (the K/V all-gather, TE's
 ring) captured its group when its forward ran, so the pipeline schedules may run the backward of
-a microbatch long after the binding is gone.
+a microbatch long after the binding is gone. A recomputed forward (activation recomputation) is a
+forward again: ``recompute.py`` re-enters the binding that was active when it was checkpointed,
+which ``active()`` gives.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,6 +45,23 @@ def _te_state(module: nn.Module) -> tuple[Any, ...]:
             getattr(module, "cp_stream", None), getattr(module, "cp_comm_type", "p2p"))
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class Binding:
+    """One ``bind_cp_group`` call's arguments (identity compared: the same call)."""
+
+    model: nn.Module | Sequence[nn.Module]
+    cp_group: dist.ProcessGroup
+    tp_cp_group: dist.ProcessGroup | None
+
+
+_ACTIVE: list[Binding] = []
+
+
+def active() -> Binding | None:
+    """The innermost binding in force, None outside every ``bind_cp_group`` block."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
 @contextlib.contextmanager
 def bind_cp_group(model: nn.Module | Sequence[nn.Module], cp_group: dist.ProcessGroup,
                   tp_cp_group: dist.ProcessGroup | None = None) -> Iterator[None]:
@@ -55,6 +75,7 @@ def bind_cp_group(model: nn.Module | Sequence[nn.Module], cp_group: dist.Process
             right at tp 1).
     """
     chunks = [model] if isinstance(model, nn.Module) else list(model)
+    binding = Binding(model, cp_group, tp_cp_group)
     saved_pgc: list[tuple[nn.Module, Any]] = []
     saved_te: list[tuple[nn.Module, tuple[Any, ...]]] = []
     saved_lm: list[tuple[nn.Module, Any]] = []
@@ -79,7 +100,11 @@ def bind_cp_group(model: nn.Module | Sequence[nn.Module], cp_group: dist.Process
                     module.tp_cp_group = cp_group if tp_cp_group is None else tp_cp_group
                 elif te_cls is not None and isinstance(module, te_cls):
                     saved_te.append((module, _te_state(module)))
-        yield
+        _ACTIVE.append(binding)
+        try:
+            yield
+        finally:
+            _ACTIVE.pop()
     finally:
         for module, pgc in saved_pgc:
             module.pg_collection = pgc

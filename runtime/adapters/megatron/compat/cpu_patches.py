@@ -249,6 +249,14 @@ def rng_tracker_without_cuda() -> None:
     mcore.tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
+def recompute_rng_without_cuda() -> None:
+    # tensor_parallel/random.py: a checkpointed region (activation recomputation) saves the CUDA
+    # RNG state in its forward and restores it around the recomputation. The CPU RNG is saved
+    # beside it by the same code; there is no CUDA state to keep.
+    mcore.tp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    mcore.tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
+
+
 class _CpuMemoryBuffer(mcore.core_utils.GlobalMemoryBuffer):  # type: ignore[misc]
     """Megatron's scratch buffer (sequence-parallel all-gathers), allocated on the CPU."""
 
@@ -304,5 +312,6 @@ def apply_cpu_patches() -> None:
                optimizer_scalars_on_cpu, distributed_optimizer_accepts_cpu_params,
                gradient_clipping_accepts_cpu_grads, checkpoint_writer_on_cpu,
                sequence_parallel_buffers_on_cpu, rotary_on_cpu, rng_tracker_without_cuda,
-               memory_buffer_on_cpu, moe_on_cpu, router_gemm_without_te):
+               recompute_rng_without_cuda, memory_buffer_on_cpu, moe_on_cpu,
+               router_gemm_without_te):
         once(fn.__name__, fn)

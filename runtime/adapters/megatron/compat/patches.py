@@ -61,6 +61,22 @@ def distributed_optimizer_restores_torch_adam_steps() -> None:
     cls.load_state_dict = load_state_dict
 
 
+def optimizer_state_loads_without_grad() -> None:
+    # optimizer/distrib_optimizer.py (_set_main_param_and_optimizer_states), the dp-reshardable
+    # load Megatron-LM's checkpoints use: in fp32 the distributed optimizer's main parameter is a
+    # view of the model's (a leaf that requires grad), and the in-place copy of the saved value
+    # raises "a view of a leaf Variable that requires grad is being used in an in-place
+    # operation". The copy is a load, not a computation: it runs without autograd.
+    cls: Any = mcore.distrib_optimizer.DistributedOptimizer
+    original = cls._set_main_param_and_optimizer_states
+
+    def set_states(self: Any, model_param: Any, tensors: Any) -> None:
+        with torch.no_grad():
+            original(self, model_param, tensors)
+
+    cls._set_main_param_and_optimizer_states = set_states
+
+
 _SP_GROUP: contextvars.ContextVar[dist.ProcessGroup | None] = contextvars.ContextVar(
     "megatron_sp_group", default=None)
 
@@ -304,7 +320,7 @@ def apply_common_patches() -> None:
     for fn in (padding_mask_scatter_uses_model_group, pipeline_messages_tagged,
                quiet_upstream_warnings, sharded_state_uses_model_groups,
                distributed_optimizer_restores_torch_adam_steps, moe_utils_names_without_te,
-               mtp_gather_uses_model_group):
+               mtp_gather_uses_model_group, optimizer_state_loads_without_grad):
         once(f"{fn.__module__}.{fn.__name__}", fn)
 
 

@@ -105,7 +105,7 @@ def _state_dict(chunks: list[nn.Module], optimizer: Any, scheduler: Any, groups:
              else {f"model{i}": m for i, m in enumerate(models)})
     model_sd = models[0] if len(models) == 1 else keyed
     if loading:
-        _fresh_adam_state(optimizer)
+        fresh_adam_state(optimizer)
     with patches.checkpoint_groups(groups.pg_collection.tp, groups.pool_group):
         opt_sd = optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=meta)
     state = {**keyed, "optimizer": opt_sd}
@@ -114,7 +114,7 @@ def _state_dict(chunks: list[nn.Module], optimizer: Any, scheduler: Any, groups:
     return state
 
 
-def _fresh_adam_state(optimizer: Any) -> None:
+def fresh_adam_state(optimizer: Any) -> None:
     """Give a fresh torch Adam the state its first step would create, so Megatron can describe
     the state it is about to load (without Apex or TE its optimizers are torch's AdamW, which
     holds no state before a step); the checkpoint's values replace these zeros."""
