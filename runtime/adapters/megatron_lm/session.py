@@ -123,9 +123,11 @@ class PlanSession:
         """Training step ``step``'s batches (a list of one iterator per chunk under vpp)."""
         assert self.batches is not None
         batches = self.batches
-        its = [_tagged((batches.batch(step, m, c)
-                        for m in range(batches.num_microbatches(step))), c)
-               for c in range(batches.num_chunks)]
+
+        def chunk(c: int) -> Iterator[Batch]:
+            for m in range(batches.num_microbatches(step)):
+                yield _tag(batches.batch(step, m, c), c)
+        its = [chunk(c) for c in range(batches.num_chunks)]
         return its[0] if len(its) == 1 else its
 
     def eval_num_microbatches(self, step: int) -> int:
@@ -136,9 +138,11 @@ class PlanSession:
         """Eval plan step ``step``'s batches, built as training's."""
         assert self.eval_schedule is not None and self.eval_batches is not None
         schedule, batches = self.eval_schedule, self.eval_batches
-        its = [_tagged((batches.to_batch(micro.inputs, micro.rows, c)
-                        for micro in schedule.step_microbatches(step)), c)
-               for c in range(batches.num_chunks)]
+
+        def chunk(c: int) -> Iterator[Batch]:
+            for micro in schedule.step_microbatches(step):
+                yield _tag(batches.to_batch(micro.inputs, micro.rows, c), c)
+        its = [chunk(c) for c in range(batches.num_chunks)]
         return its[0] if len(its) == 1 else its
 
     def forward_step(self, data_iterator: Iterator[Batch], model: nn.Module
@@ -170,10 +174,9 @@ class PlanSession:
                 close()
 
 
-def _tagged(batches: Iterator[Batch], chunk: int) -> Iterator[Batch]:
-    for batch in batches:
-        batch[_CHUNK] = chunk  # type: ignore[literal-required]
-        yield batch
+def _tag(batch: Batch, chunk: int) -> Batch:
+    batch[_CHUNK] = chunk  # type: ignore[literal-required]
+    return batch
 
 
 @functools.cache
