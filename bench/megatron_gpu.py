@@ -1,8 +1,9 @@
 """Megatron-core's schedules replaying plans on H200s: bf16 loss parity (1 GPU), dynamic vs static
 CP and 1F1B over NCCL (2 GPUs).
 
-Two phases, as ``bench/torchtitan_gpu.py`` (whose helpers this script reuses; the dataset and the
-dp 1 x cp 2 plans come from ``bench/train_compare.py``'s ``prepare``):
+Two phases, as ``bench/torchtitan_gpu.py`` (the flags, launches and table they share are
+``bench/gpu_common.py``'s; the dataset and the dp 1 x cp 2 plans come from
+``bench/train_compare.py``'s ``prepare``):
 
 ``prepare`` (CPU machine, PyPI reachable) writes into DIR (default ``out/megatron_gpu``, ignored
 by git; carry it, about 15 MB): ``dataset.arrow``, ``dynamic.arrow`` (CP sizes 1 and 2),
@@ -58,7 +59,6 @@ import importlib.util
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -66,9 +66,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.gpu_common import (  # noqa: E402
+    add_prepare_args,
+    add_run_args,
+    launch,
+    median,
+    out_dir,
+    print_table,
+    read_log,
+    run_row,
+    te_importable,
+)
 from bench.megatron_gpu_moe import TYPES as MOE_TYPES  # noqa: E402
 from bench.megatron_gpu_moe import run_moe  # noqa: E402
-from bench.torchtitan_gpu import _launch, _median, _read, _te_importable  # noqa: E402
 
 DEFAULT_DIR = ROOT / "out" / "megatron_gpu"
 WHEELS = ["megatron-core==0.19.2"]
@@ -126,7 +136,7 @@ def _ensure_megatron(src: Path) -> None:
 def _attention(args: argparse.Namespace) -> str:
     if args.smoke:
         return "reference"
-    if _te_importable():
+    if te_importable():
         return "te"
     print("Transformer Engine not importable: --attention reference", flush=True)
     return "reference"
@@ -166,7 +176,7 @@ def run_one_gpu(src: Path, out: Path, args: argparse.Namespace) -> int:
                            out / "parity_ref.jsonl", out / "parity_ref.txt")
     rows: dict[str, object] = {"attention": attention}
     # 1. the parity run (its oracle is running on the CPU meanwhile)
-    rc = _launch(data + small + production + ["--steps", str(args.steps), "--summary-json",
+    rc = launch(data + small + production + ["--steps", str(args.steps), "--summary-json",
                                               str(out / "parity_summary.json")],
                  1, out / "parity_gpu.jsonl", out / "parity_gpu.txt", args.timeout)
     summary_path = out / "parity_summary.json"
@@ -177,13 +187,13 @@ def run_one_gpu(src: Path, out: Path, args: argparse.Namespace) -> int:
     for name, extra in (("megatron-ddp", production), ("pool", device + [
             "--attention", attention, "--grad-sync", "pool"])):
         log = out / f"tput_{name}.jsonl"
-        rc = _launch(data + big + extra + ["--steps", str(args.steps)], 1, log,
+        rc = launch(data + big + extra + ["--steps", str(args.steps)], 1, log,
                      out / f"tput_{name}.txt", args.timeout)
-        recs = _read(log)
+        recs = read_log(log)
         rows[f"throughput_{name}"] = {
             "rc": rc, "steps": len(recs),
-            "median_tokens_per_s": _median(recs, "tokens_per_s", args.warmup),
-            "median_step_s": _median(recs, "seconds", args.warmup),
+            "median_tokens_per_s": median(recs, "tokens_per_s", args.warmup),
+            "median_step_s": median(recs, "seconds", args.warmup),
             "losses": [r["loss"] for r in recs]}
     ddp_rate = rows["throughput_megatron-ddp"]["median_tokens_per_s"]  # type: ignore[index]
     pool_rate = rows["throughput_pool"]["median_tokens_per_s"]  # type: ignore[index]
@@ -192,12 +202,12 @@ def run_one_gpu(src: Path, out: Path, args: argparse.Namespace) -> int:
     ckpt = Path(args.checkpoint_dir)
     shutil.rmtree(ckpt, ignore_errors=True)
     resume = data + small + production + ["--steps", "4"]
-    rc_full = _launch(resume + ["--save", str(ckpt), "--save-every", "2"], 1,
+    rc_full = launch(resume + ["--save", str(ckpt), "--save-every", "2"], 1,
                       out / "resume_full.jsonl", out / "resume_full.txt", args.timeout)
-    rc_res = _launch(resume + ["--resume", str(ckpt / "step-00000002")], 1,
+    rc_res = launch(resume + ["--resume", str(ckpt / "step-00000002")], 1,
                      out / "resume_part.jsonl", out / "resume_part.txt", args.timeout)
-    full = {int(r["step"]): r["loss"] for r in _read(out / "resume_full.jsonl")}
-    part = {int(r["step"]): r["loss"] for r in _read(out / "resume_part.jsonl")}
+    full = {int(r["step"]): r["loss"] for r in read_log(out / "resume_full.jsonl")}
+    part = {int(r["step"]): r["loss"] for r in read_log(out / "resume_part.jsonl")}
     rows["resume"] = {"rc": [rc_full, rc_res], "uninterrupted": full, "resumed": part,
                       "max_abs_diff": max((abs(part[s] - full[s]) for s in part if s in full),
                                           default=float("nan"))}
@@ -207,13 +217,13 @@ def run_one_gpu(src: Path, out: Path, args: argparse.Namespace) -> int:
     except subprocess.TimeoutExpired:
         oracle.kill()
         rc_ref = 124
-    gpu, ref = _read(out / "parity_gpu.jsonl"), _read(out / "parity_ref.jsonl")
+    gpu, ref = read_log(out / "parity_gpu.jsonl"), read_log(out / "parity_ref.jsonl")
     diffs = _rel_diffs(gpu, ref)
     worst = max(diffs) if diffs else float("nan")
     rows["parity"] = {"oracle_rc": rc_ref, "steps_compared": len(diffs),
                       "max_rel_loss_diff": worst, "losses_gpu": [r["loss"] for r in gpu],
                       "losses_oracle": [r["loss"] for r in ref],
-                      "median_tokens_per_s": _median(gpu, "tokens_per_s", args.warmup)}
+                      "median_tokens_per_s": median(gpu, "tokens_per_s", args.warmup)}
     (out / "one_gpu.json").write_text(json.dumps(rows, indent=1))
     print(json.dumps(rows, indent=1))
     ok = (rows["parity_run"]["rc"] == 0 and diffs and worst <= BF16_TOL  # type: ignore[index]
@@ -233,16 +243,9 @@ def run_compare(src: Path, out: Path, args: argparse.Namespace) -> int:
         argv = ["--framework", "megatron", "--plan", str(src / f"{plan}.arrow"), "--dataset",
                 str(src / "dataset.arrow"), "--device", device, "--attention", attention,
                 "--steps", str(args.steps), "--lr", str(args.lr), *shape]
-        rc = _launch(argv, 2, out / f"{plan}.jsonl", out / f"{plan}.txt", args.timeout)
-        recs = _read(out / f"{plan}.jsonl")
-        rows.append({"plan": plan, "attention": attention, "status": f"rc={rc}",
-                     "steps": len(recs),
-                     "microbatches": statistics.mean(r["microbatches"] for r in recs)
-                     if recs else 0,
-                     "median_step_s": _median(recs, "seconds", args.warmup),
-                     "median_tokens_per_s": _median(recs, "tokens_per_s", args.warmup),
-                     "losses": [r["loss"] for r in recs]})
-        print(f"{plan}: rc={rc} steps={len(recs)}", flush=True)
+        rc = launch(argv, 2, out / f"{plan}.jsonl", out / f"{plan}.txt", args.timeout)
+        rows.append(run_row(plan, attention, rc, read_log(out / f"{plan}.jsonl"), args.warmup))
+        print(f"{plan}: rc={rc} steps={rows[-1]['steps']}", flush=True)
     static = rows[1]
     for r in rows:
         r["speedup_vs_static"] = float(static["median_step_s"]) / float(r["median_step_s"])
@@ -252,16 +255,13 @@ def run_compare(src: Path, out: Path, args: argparse.Namespace) -> int:
     (out / "compare.json").write_text(json.dumps(rows, indent=1))
     head = ("plan", "attention", "status", "steps", "microbatches", "median_step_s",
             "median_tokens_per_s", "speedup_vs_static", "max_rel_loss_diff_vs_static")
-    print("\n" + " | ".join(head))
-    for r in rows:
-        print(" | ".join(f"{r[h]:.4g}" if isinstance(r[h], float) else str(r[h]) for h in head))
+    print_table(rows, head)
     return 0 if all(r["status"] == "rc=0" for r in rows) else 1
 
 
 def run(args: argparse.Namespace) -> int:
     src = Path(args.dir)
-    out = Path(args.out or os.environ.get("OUT", "out/megatron_gpu_logs"))
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(args, "out/megatron_gpu_logs")
     if args.moe and args.gpus != 1:
         raise SystemExit("--moe runs on one GPU: use --gpus 1")
     _ensure_megatron(src)
@@ -276,32 +276,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     pp = sub.add_parser("prepare", help="dataset, plans and the megatron-core wheel (CPU)")
-    pp.add_argument("--dir", default=str(DEFAULT_DIR), help="output directory")
-    pp.add_argument("--workload", choices=("wikipedia", "all-long"), default="wikipedia",
-                    help="long-tail Wikipedia lengths, or the all-long guard")
-    pp.add_argument("--samples", type=int, default=2500, help="documents (wikipedia)")
-    pp.add_argument("--num-tokens", type=int, default=2_400_000, help="tokens (all-long)")
-    pp.add_argument("--cost-model", default="small-2048-h200", help="dynamic plan's cost model")
-    pp.add_argument("--capacity", type=int, default=16384, help="tokens per rank (C)")
-    pp.add_argument("--global-batch-tokens", type=int, default=131072, help="tokens per step")
-    pp.add_argument("--seed", type=int, default=0, help="workload and plan seed")
+    add_prepare_args(pp, DEFAULT_DIR)
     pp.add_argument("--no-wheels", action="store_true", help="skip downloading the wheel")
     pr = sub.add_parser("run", help="parity (--gpus 1) or dynamic vs static + pp2 (--gpus 2)")
-    pr.add_argument("--dir", default=str(DEFAULT_DIR), help="what prepare wrote")
-    pr.add_argument("--out", default="", help="log directory (default $OUT)")
+    add_run_args(pr, DEFAULT_DIR, steps=8, timeout=300.0)
     pr.add_argument("--gpus", type=int, choices=(1, 2), required=True, help="GPUs of the machine")
-    pr.add_argument("--steps", type=int, default=8, help="steps per run")
-    pr.add_argument("--warmup", type=int, default=2, help="steps left out of the timings")
-    pr.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
-    pr.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate")
     pr.add_argument("--checkpoint-dir", default="/tmp/dcp-megatron-gpu-ckpt",
                     help="where the save/resume check writes (removed first)")
     pr.add_argument("--moe", action="store_true",
                     help="only the mixture-of-experts parity (bench/megatron_gpu_moe.py)")
     pr.add_argument("--moe-types", default=",".join(MOE_TYPES),
                     help="--moe: the load-balancing types, comma-separated")
-    pr.add_argument("--smoke", action="store_true",
-                    help="CPU, gloo, tiny model, reference attention: checks the script only")
     args = p.parse_args(argv)
     return prepare(args) if args.cmd == "prepare" else run(args)
 

@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from bench.torchtitan_gpu import _launch, _median, _read
+from bench.gpu_common import launch, median, read_log
 
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
 TYPES = ("seq_aux_loss", "global_aux_loss")
@@ -70,7 +70,7 @@ def compare(kind: str, gpu: list[dict[str, Any]], ref: list[dict[str, Any]], *, 
             "losses_gpu": [r["loss"] for r in gpu], "losses_oracle": [r["loss"] for r in ref],
             "aux_gpu": [r.get("moe_aux_loss") for r in gpu],
             "aux_oracle": [r.get("moe_aux_loss") for r in ref],
-            "median_tokens_per_s": _median(gpu, "tokens_per_s", warmup),
+            "median_tokens_per_s": median(gpu, "tokens_per_s", warmup),
             "ok": rc == 0 and bool(steps) and loss <= tol and aux <= tol}
 
 
@@ -102,7 +102,7 @@ def run_moe(src: Path, out: Path, args: argparse.Namespace, *, small: list[str],
                for k in kinds}
     rcs = {}
     for k in kinds:
-        rcs[k] = _launch(argv[k][0] + ["--summary-json", str(out / f"moe_{k}_summary.json")], 1,
+        rcs[k] = launch(argv[k][0] + ["--summary-json", str(out / f"moe_{k}_summary.json")], 1,
                          out / f"moe_{k}_gpu.jsonl", out / f"moe_{k}_gpu.txt", args.timeout)
     rows = []
     for k in kinds:
@@ -111,8 +111,8 @@ def run_moe(src: Path, out: Path, args: argparse.Namespace, *, small: list[str],
         except Exception:  # subprocess.TimeoutExpired: what it logged so far still counts
             oracles[k].kill()
             oracle_rc = 124
-        rows.append(compare(k, _read(out / f"moe_{k}_gpu.jsonl"),
-                            _read(out / f"moe_{k}_ref.jsonl"), rc=rcs[k], oracle_rc=oracle_rc,
+        rows.append(compare(k, read_log(out / f"moe_{k}_gpu.jsonl"),
+                            read_log(out / f"moe_{k}_ref.jsonl"), rc=rcs[k], oracle_rc=oracle_rc,
                             warmup=args.warmup, tol=tol))
     result: dict[str, Any] = {"types": rows}
     rates = {r["type"]: r["median_tokens_per_s"] for r in rows}

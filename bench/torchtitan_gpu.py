@@ -44,8 +44,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import statistics
 import subprocess
 import sys
 import time
@@ -53,6 +51,20 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.gpu_common import (  # noqa: E402
+    add_prepare_args,
+    add_run_args,
+    launch,
+    median,
+    out_dir,
+    print_table,
+    read_log,
+    run_row,
+    te_importable,
+)
+
 DEFAULT_DIR = ROOT / "out" / "torchtitan_gpu"
 # What torchtitan 0.3.0 imports beyond the GPU image (KINDS.md lists the image's packages);
 # versions as resolved on the CPU machine, where the adapter's tests pass.
@@ -69,7 +81,6 @@ BF16_TOL = 2e-2
 
 
 def prepare(args: argparse.Namespace) -> int:
-    sys.path.insert(0, str(ROOT))
     from bench.train_compare import prepare as prepare_plans
     from planner.cli import main as dcp_plan
 
@@ -107,7 +118,6 @@ def _record_environment(out: Path) -> None:
     (``runtime.adapters.torchtitan.compat``), into ``environment.json``."""
     from importlib.metadata import version
 
-    sys.path.insert(0, str(ROOT))
     import torch
 
     from runtime.adapters.torchtitan import compat
@@ -118,44 +128,6 @@ def _record_environment(out: Path) -> None:
     print(json.dumps(env), flush=True)
 
 
-def _te_importable() -> bool:
-    probe = ("import sys\nfrom runtime.attention.te import te_available\n"
-             "sys.exit(0 if te_available() else 1)")
-    return subprocess.run([sys.executable, "-c", probe], cwd=ROOT,
-                          capture_output=True).returncode == 0
-
-
-def _launch(argv: list[str], nproc: int, log: Path, stdout: Path, timeout: float,
-            module: str = "runtime.train") -> int:
-    if nproc > 0:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-               str(nproc), "-m", module, *argv]
-    else:  # one plain process (the oracle)
-        cmd = [sys.executable, "-m", module, *argv]
-    cmd += ["--log-jsonl", str(log), "--quiet"]
-    log.unlink(missing_ok=True)
-    with open(stdout, "w") as f:
-        f.write(" ".join(cmd) + "\n")
-        f.flush()
-        try:
-            return subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                  timeout=timeout,
-                                  env=dict(os.environ, PYTHONUNBUFFERED="1")).returncode
-        except subprocess.TimeoutExpired:
-            return 124
-
-
-def _read(path: Path) -> list[dict[str, float]]:
-    if not path.is_file():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-
-
-def _median(recs: list[dict[str, float]], key: str, warmup: int) -> float:
-    timed = [r for r in recs if int(r["step"]) >= warmup] or recs
-    return statistics.median(float(r[key]) for r in timed) if timed else float("nan")
-
-
 def run_parity(src: Path, out: Path, args: argparse.Namespace) -> int:
     data = str(src / "dataset.arrow")
     common = ["--framework", "torchtitan", "--plan", str(src / "single.arrow"), "--dataset",
@@ -164,12 +136,12 @@ def run_parity(src: Path, out: Path, args: argparse.Namespace) -> int:
     device = ["--device", "cpu", "--attention", "reference"] if args.smoke else [
         "--device", "cuda", "--attention", "torch", "--dtype", "bf16"]
     t0 = time.perf_counter()
-    rc_gpu = _launch(common + device, 1, out / "parity_gpu.jsonl", out / "parity_gpu.txt",
+    rc_gpu = launch(common + device, 1, out / "parity_gpu.jsonl", out / "parity_gpu.txt",
                      args.timeout)
     wall_gpu = time.perf_counter() - t0
-    rc_ref = _launch(common + ["--reference", "--device", "cpu"], 0, out / "parity_ref.jsonl",
+    rc_ref = launch(common + ["--reference", "--device", "cpu"], 0, out / "parity_ref.jsonl",
                      out / "parity_ref.txt", args.timeout)
-    gpu, ref = _read(out / "parity_gpu.jsonl"), _read(out / "parity_ref.jsonl")
+    gpu, ref = read_log(out / "parity_gpu.jsonl"), read_log(out / "parity_ref.jsonl")
     want = {int(r["step"]): float(r["loss"]) for r in ref}
     diffs = [abs(float(r["loss"]) - want[int(r["step"])]) / abs(want[int(r["step"])])
              for r in gpu if int(r["step"]) in want]
@@ -177,7 +149,7 @@ def run_parity(src: Path, out: Path, args: argparse.Namespace) -> int:
     row = {"run": "parity 1 GPU (torch varlen, bf16) vs CPU oracle (fp32)",
            "status": f"gpu rc={rc_gpu}, oracle rc={rc_ref}", "steps": len(gpu),
            "wall_s": round(wall_gpu, 1), "max_rel_loss_diff": worst,
-           "median_tokens_per_s": _median(gpu, "tokens_per_s", args.warmup),
+           "median_tokens_per_s": median(gpu, "tokens_per_s", args.warmup),
            "losses_gpu": [r["loss"] for r in gpu], "losses_oracle": [r["loss"] for r in ref]}
     (out / "parity.json").write_text(json.dumps(row, indent=1))
     print(json.dumps(row, indent=1))
@@ -190,7 +162,7 @@ def run_parity(src: Path, out: Path, args: argparse.Namespace) -> int:
 def run_compare(src: Path, out: Path, args: argparse.Namespace) -> int:
     data = str(src / "dataset.arrow")
     attentions = ["reference"] if args.smoke else [a for a in args.attention.split(",") if a]
-    if "te" in attentions and not _te_importable():
+    if "te" in attentions and not te_importable():
         print("Transformer Engine not importable: skipping the te runs", flush=True)
         attentions.remove("te")
     # One row per run; values of several types (str, int, float, list of losses) that the loop
@@ -198,16 +170,9 @@ def run_compare(src: Path, out: Path, args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
 
     def add(name: str, plan: str, attention: str, argv: list[str], module: str) -> None:
-        rc = _launch(argv, 2, out / f"{name}.jsonl", out / f"{name}.txt", args.timeout, module)
-        recs = _read(out / f"{name}.jsonl")
-        rows.append({"plan": plan, "attention": attention, "status": f"rc={rc}",
-                     "steps": len(recs),
-                     "microbatches": statistics.mean(r["microbatches"] for r in recs)
-                     if recs else 0,
-                     "median_step_s": _median(recs, "seconds", args.warmup),
-                     "median_tokens_per_s": _median(recs, "tokens_per_s", args.warmup),
-                     "losses": [r["loss"] for r in recs]})
-        print(f"{name}: rc={rc} steps={len(recs)}", flush=True)
+        rc = launch(argv, 2, out / f"{name}.jsonl", out / f"{name}.txt", args.timeout, module)
+        rows.append(run_row(plan, attention, rc, read_log(out / f"{name}.jsonl"), args.warmup))
+        print(f"{name}: rc={rc} steps={rows[-1]['steps']}", flush=True)
 
     model = SMOKE if args.smoke else BIG
     device = ["--device", "cpu" if args.smoke else "cuda"]
@@ -240,16 +205,13 @@ def run_compare(src: Path, out: Path, args: argparse.Namespace) -> int:
     head = ("plan", "attention", "status", "steps", "microbatches", "median_step_s",
             "median_tokens_per_s", "speedup_vs_static", "speedup_vs_titan_cp",
             "max_loss_diff_vs_static")
-    print("\n" + " | ".join(head))
-    for r in rows:
-        print(" | ".join(f"{r[h]:.4g}" if isinstance(r[h], float) else str(r[h]) for h in head))
+    print_table(rows, head)
     return 0 if all(r["status"] == "rc=0" for r in rows) else 1
 
 
 def run(args: argparse.Namespace) -> int:
     src = Path(args.dir)
-    out = Path(args.out or os.environ.get("OUT", "out/torchtitan_gpu_logs"))
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(args, "out/torchtitan_gpu_logs")
     _ensure_torchtitan(src)
     probe = subprocess.run([sys.executable, "-c", "import runtime.adapters.torchtitan.launch"],
                            cwd=ROOT, capture_output=True, text=True)
@@ -265,29 +227,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     pp = sub.add_parser("prepare", help="dataset, plans and wheels (CPU machine)")
-    pp.add_argument("--dir", default=str(DEFAULT_DIR), help="output directory")
-    pp.add_argument("--workload", choices=("wikipedia", "all-long"), default="wikipedia",
-                    help="long-tail Wikipedia lengths, or the all-long guard")
-    pp.add_argument("--samples", type=int, default=2500, help="documents (wikipedia)")
-    pp.add_argument("--num-tokens", type=int, default=2_400_000, help="tokens (all-long)")
-    pp.add_argument("--cost-model", default="small-2048-h200", help="dynamic plan's cost model")
-    pp.add_argument("--capacity", type=int, default=16384, help="tokens per rank (C)")
-    pp.add_argument("--global-batch-tokens", type=int, default=131072, help="tokens per step")
-    pp.add_argument("--seed", type=int, default=0, help="workload and plan seed")
+    add_prepare_args(pp, DEFAULT_DIR)
     pp.add_argument("--no-wheels", action="store_true", help="skip downloading the wheels")
     pp.add_argument("--wheel-python", default="3.12",
                     help="Python version the wheels are for (the GPU machines': 3.12)")
     pr = sub.add_parser("run", help="parity (--gpus 1) or dynamic vs static (--gpus 2)")
-    pr.add_argument("--dir", default=str(DEFAULT_DIR), help="what prepare wrote")
-    pr.add_argument("--out", default="", help="log directory (default $OUT)")
+    add_run_args(pr, DEFAULT_DIR, steps=8, timeout=300.0)
     pr.add_argument("--gpus", type=int, choices=(1, 2), required=True, help="GPUs of the machine")
-    pr.add_argument("--steps", type=int, default=8, help="steps per run")
-    pr.add_argument("--warmup", type=int, default=2, help="steps left out of the timings")
     pr.add_argument("--attention", default="torch,te", help="--gpus 2: attentions to compare")
-    pr.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
-    pr.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate")
-    pr.add_argument("--smoke", action="store_true",
-                    help="CPU, gloo, tiny model, reference attention: checks the script only")
     args = p.parse_args(argv)
     return prepare(args) if args.cmd == "prepare" else run(args)
 

@@ -33,10 +33,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,6 +42,19 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.gpu_common import (  # noqa: E402
+    add_prepare_args,
+    add_run_args,
+    launch,
+    median,
+    out_dir,
+    print_table,
+    read_log,
+    te_importable,
+)
+
 DEFAULT_DIR = ROOT / "out" / "train_compare"
 PLANS = ("dynamic", "static")
 ATTENTIONS = ("te", "torch")
@@ -71,7 +82,6 @@ def prepare(args: argparse.Namespace) -> int:
     import pyarrow as pa
     import pyarrow.ipc as ipc
 
-    sys.path.insert(0, str(ROOT))
     from bench.workloads import all_long, wikipedia
     from planner.cli import main as dcp_plan
 
@@ -109,48 +119,24 @@ def prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _te_importable() -> bool:
-    probe = ("import sys\nfrom runtime.attention.te import te_available\n"
-             "sys.exit(0 if te_available() else 1)")
-    return subprocess.run([sys.executable, "-c", probe], cwd=ROOT,
-                          capture_output=True).returncode == 0
-
-
 def _one_run(plan: Path, data: Path, attention: str, log: Path, stdout: Path,
              steps: int, timeout: float, smoke: bool, lr: float) -> tuple[int, float]:
     device, model = ("cpu", SMOKE_FLAGS) if smoke else ("cuda", MODEL_FLAGS)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "runtime.train", "--plan", str(plan), "--dataset", str(data), "--device", device,
-           "--attention", attention, "--steps", str(steps), "--log-jsonl", str(log), "--quiet",
-           "--lr", str(lr), *model]
+    argv = ["--plan", str(plan), "--dataset", str(data), "--device", device, "--attention",
+            attention, "--steps", str(steps), "--lr", str(lr), *model]
     t0 = time.perf_counter()
-    with open(stdout, "w") as f:
-        f.write(" ".join(cmd) + "\n")
-        f.flush()
-        try:
-            rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                timeout=timeout, env=dict(os.environ, PYTHONUNBUFFERED="1")
-                                ).returncode
-        except subprocess.TimeoutExpired:
-            rc = 124
+    rc = launch(argv, 2, log, stdout, timeout)
     return rc, time.perf_counter() - t0
-
-
-def _read_log(path: Path) -> list[dict[str, float]]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def run(args: argparse.Namespace) -> int:
     src = Path(args.dir)
-    out = Path(args.out or os.environ.get("OUT", "out/train_compare_logs"))
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(args, "out/train_compare_logs")
     data = src / "dataset.arrow"
     attentions = [a for a in args.attention.split(",") if a]
     if args.smoke:
         attentions = ["reference"]
-    if "te" in attentions and not _te_importable():
+    if "te" in attentions and not te_importable():
         print("Transformer Engine not importable: skipping the te runs", flush=True)
         attentions.remove("te")
     logs: dict[tuple[str, str], list[dict[str, float]]] = {}
@@ -159,10 +145,9 @@ def run(args: argparse.Namespace) -> int:
         for plan in PLANS:
             name = f"{plan}_{attention}"
             log = out / f"{name}.jsonl"
-            log.unlink(missing_ok=True)
             rc, wall = _one_run(src / f"{plan}.arrow", data, attention, log, out / f"{name}.txt",
                                 args.steps, args.timeout, args.smoke, args.lr)
-            logs[(plan, attention)] = _read_log(log)
+            logs[(plan, attention)] = read_log(log)
             status[(plan, attention)] = "ok" if rc == 0 else f"rc={rc}"
             print(f"{name}: rc={rc} wall={wall:.1f}s steps={len(logs[(plan, attention)])}",
                   flush=True)
@@ -170,7 +155,9 @@ def run(args: argparse.Namespace) -> int:
         shutil.copy(src / "manifest.json", out / "manifest.json")
     rows = _table(logs, status, args.warmup)
     (out / "summary.json").write_text(json.dumps(rows, indent=1))
-    _print_table(rows)
+    print_table(rows, ("plan", "attention", "status", "steps", "microbatches", "median_step_s",
+                       "median_tokens_per_s", "speedup_vs_static", "final_loss",
+                       "max_loss_diff"))
     return 0 if all(s == "ok" for s in status.values()) else 1
 
 
@@ -180,9 +167,7 @@ def _table(logs: dict[tuple[str, str], list[dict[str, float]]], status: dict[tup
     base_loss = {int(r["step"]): float(r["loss"]) for r in first}
     rows: list[dict[str, object]] = []
     for (plan, attention), recs in logs.items():
-        timed = [r for r in recs if int(r["step"]) >= warmup] or recs
-        sec = statistics.median(float(r["seconds"]) for r in timed) if timed else float("nan")
-        tps = statistics.median(float(r["tokens_per_s"]) for r in timed) if timed else float("nan")
+        sec, tps = median(recs, "seconds", warmup), median(recs, "tokens_per_s", warmup)
         diffs = [abs(float(r["loss"]) - base_loss[int(r["step"])]) for r in recs
                  if int(r["step"]) in base_loss]
         rows.append({"plan": plan, "attention": attention, "status": status[(plan, attention)],
@@ -200,42 +185,14 @@ def _table(logs: dict[tuple[str, str], list[dict[str, float]]], status: dict[tup
     return rows
 
 
-def _print_table(rows: list[dict[str, object]]) -> None:
-    head = ("plan", "attention", "status", "steps", "microbatches", "median_step_s",
-            "median_tokens_per_s", "speedup_vs_static", "final_loss", "max_loss_diff")
-    print("\n" + " | ".join(head))
-    for r in rows:
-        cells = []
-        for h in head:
-            v = r[h]
-            cells.append(f"{v:.4g}" if isinstance(v, float) else str(v))
-        print(" | ".join(cells))
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     pp = sub.add_parser("prepare", help="make the dataset and both plans (CPU machine)")
-    pp.add_argument("--dir", default=str(DEFAULT_DIR), help="output directory")
-    pp.add_argument("--workload", choices=("wikipedia", "all-long"), default="wikipedia",
-                    help="long-tail Wikipedia lengths, or the all-long guard")
-    pp.add_argument("--samples", type=int, default=2500, help="documents (wikipedia)")
-    pp.add_argument("--num-tokens", type=int, default=2_400_000, help="tokens (all-long)")
-    pp.add_argument("--cost-model", default="small-2048-h200",
-                    help="cost model the dynamic plan is made with (preset or JSON)")
-    pp.add_argument("--capacity", type=int, default=16384, help="tokens per rank (C)")
-    pp.add_argument("--global-batch-tokens", type=int, default=131072, help="tokens per step")
-    pp.add_argument("--seed", type=int, default=0, help="workload and plan seed")
+    add_prepare_args(pp, DEFAULT_DIR)
     pr = sub.add_parser("run", help="train every plan x attention (2-GPU machine)")
-    pr.add_argument("--dir", default=str(DEFAULT_DIR), help="what prepare wrote")
-    pr.add_argument("--out", default="", help="log directory (default $OUT)")
-    pr.add_argument("--steps", type=int, default=12, help="steps per run")
-    pr.add_argument("--warmup", type=int, default=2, help="steps left out of the timings")
+    add_run_args(pr, DEFAULT_DIR, steps=12, timeout=240.0)
     pr.add_argument("--attention", default=",".join(ATTENTIONS), help="te,torch")
-    pr.add_argument("--timeout", type=float, default=240.0, help="seconds per run")
-    pr.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate")
-    pr.add_argument("--smoke", action="store_true",
-                    help="CPU, gloo, tiny model, reference attention: checks the script only")
     args = p.parse_args(argv)
     return prepare(args) if args.cmd == "prepare" else run(args)
 

@@ -34,8 +34,9 @@ import numpy as np
 import torch
 
 from runtime.data.plan_reader import GroupRows
-from runtime.data.shard import cu_seqlens_np, shard_indices_np
-from runtime.data.tokens import TokenSource, read_segments
+from runtime.data.shard import cu_seqlens_np
+from runtime.data.tokens import TokenSource
+from runtime.data.walk import read, walk
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +87,6 @@ def build_microbatch(group_rows: GroupRows, source: TokenSource, *, layout: str,
         raise ValueError(f"microbatch {rows.microbatch}: sample {int(rows.sample_index[j])} has "
                          f"{int(n[j])} tokens but {int(padded[j])} padded slots")
     cu_real, cu_pad = cu_seqlens_np(n), cu_seqlens_np(padded)
-    idx = shard_indices_np(layout, cu_pad, rows.cp_size, rows.cp_rank)
     meta = dict(
         cu_seqlens=torch.from_numpy(cu_real), cu_seqlens_padded=torch.from_numpy(cu_pad),
         max_seqlen=int(padded.max()) if padded.size else 0, cp_size=rows.cp_size,
@@ -97,36 +97,19 @@ def build_microbatch(group_rows: GroupRows, source: TokenSource, *, layout: str,
         return MicrobatchInputs(tokens=None, position_ids=None, labels=None, loss_mask=None,
                                 **meta)  # type: ignore[arg-type]
 
-    # Work in shard space: for each of this rank's slots, its row and its position in the row.
-    # The cost scales with T / cp_size, and rows without a slot here are never read.
-    row = np.searchsorted(cu_pad[1:], idx, side="right")
-    pos = idx - cu_pad[row]
-    real = pos < n[row]
-    needed = np.zeros(len(n), dtype=bool)
-    needed[row[real]] = True
-    has_next = np.zeros(len(n), dtype=np.int64)
-    if is_last_stage:
-        sel = needed & (rows.sample_index >= 0)
-        ends = rows.token_offset[sel] + n[sel]
-        has_next[sel] = ends < source.lengths()[rows.sample_index[sel]]
-    read_len = np.where(needed, n + has_next, 0)
-    real_rows = np.flatnonzero(read_len > 0)
-    cat = read_segments(source, rows.sample_index[real_rows], rows.token_offset[real_rows],
-                        read_len[real_rows])
-    if cat.size == 0:
-        cat = np.zeros(1, np.int64)  # every slot is padding; keeps the gathers below in range
-    src = np.where(real, (np.cumsum(read_len) - read_len)[row] + pos, 0)
-
+    # Work in shard space (runtime.data.walk, shared with the MTP targets): the cost scales
+    # with T / cp_size, and rows without a slot here are never read.
+    w = walk(rows, layout)
+    got = read(rows, source, w, with_next=is_last_stage)
     out: dict[str, torch.Tensor | None] = dict(tokens=None, position_ids=None, labels=None,
                                                loss_mask=None)
     if is_first_stage:
-        out["tokens"] = torch.from_numpy(np.where(real, cat[src], 0))
-        out["position_ids"] = torch.from_numpy(np.where(real, pos, 0))
+        out["tokens"] = torch.from_numpy(got.tokens())
+        out["position_ids"] = torch.from_numpy(np.where(w.real, w.pos, 0))
     if is_last_stage:
         # A token has a label when the next token was read: inside its row, or the extra one.
-        valid = real & (pos + 1 < read_len[row])
-        label_src = np.where(valid, src + 1, 0)
-        out["labels"] = torch.from_numpy(np.where(valid, cat[label_src], 0))
+        labels, valid = got.labels(0)
+        out["labels"] = torch.from_numpy(labels)
         out["loss_mask"] = torch.from_numpy(valid.astype(np.float32))
     return MicrobatchInputs(**out, **meta)  # type: ignore[arg-type]
 

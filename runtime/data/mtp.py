@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from runtime.data.plan_reader import GroupRows
-from runtime.data.shard import cu_seqlens_np, shard_indices_np
-from runtime.data.tokens import TokenSource, read_segments
+from runtime.data.tokens import TokenSource
+from runtime.data.walk import read, walk
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,53 +56,30 @@ class MTPInputs:
 
 def successor_map(rows: GroupRows, layout: str) -> np.ndarray:
     """``MTPInputs.successor`` for ``rows``' group and this rank (see the module docstring)."""
-    n, padded = rows.num_tokens, rows.padded_tokens
-    cu_pad = cu_seqlens_np(padded).astype(np.int64)
-    shards = [shard_indices_np(layout, cu_pad, rows.cp_size, r) for r in range(rows.cp_size)]
-    slots = len(shards[rows.cp_rank])
-    where = np.full(int(cu_pad[-1]), -1, dtype=np.int64)  # global position -> group slot
-    for r, idx in enumerate(shards):
-        if len(idx) != slots:
-            raise AssertionError(f"unequal shards in the CP group: {[len(s) for s in shards]}")
-        where[idx] = r * slots + np.arange(slots)
-    idx = shards[rows.cp_rank]
-    row = np.searchsorted(cu_pad[1:], idx, side="right")
-    pos = idx - cu_pad[row]
-    has_next = pos + 1 < n[row]
-    return np.where(has_next, where[np.minimum(idx + 1, len(where) - 1)], -1)
+    walks = [walk(rows, layout, r) for r in range(rows.cp_size)]
+    slots = len(walks[rows.cp_rank].idx)
+    where = np.full(int(rows.padded_tokens.sum()), -1, dtype=np.int64)  # position -> group slot
+    for r, wr in enumerate(walks):
+        if len(wr.idx) != slots:
+            raise AssertionError(f"unequal shards in the CP group: {[len(x.idx) for x in walks]}")
+        where[wr.idx] = r * slots + np.arange(slots)
+    w = walks[rows.cp_rank]
+    has_next = w.pos + 1 < rows.num_tokens[w.row]
+    return np.where(has_next, where[np.minimum(w.idx + 1, len(where) - 1)], -1)
 
 
 def mtp_inputs(rows: GroupRows, source: TokenSource, *, layout: str, depth: int) -> MTPInputs:
     """This rank's ``MTPInputs`` of depth ``depth`` for one microbatch (``rows``)."""
     if depth < 1:
         raise ValueError(f"MTP depth must be >= 1, got {depth}")
-    n, padded = rows.num_tokens, rows.padded_tokens
-    cu_pad = cu_seqlens_np(padded).astype(np.int64)
-    idx = shard_indices_np(layout, cu_pad, rows.cp_size, rows.cp_rank)
-    row = np.searchsorted(cu_pad[1:], idx, side="right")
-    pos = idx - cu_pad[row]
-    real = pos < n[row]
-    # Every row this rank has a real slot of, read whole plus the sample's next token (the last
-    # real token's label when the plan split the sample after it), as the LM labels are.
-    needed = np.zeros(len(n), dtype=bool)
-    needed[row[real]] = True
-    has_next = np.zeros(len(n), dtype=np.int64)
-    sel = needed & (rows.sample_index >= 0)
-    ends = rows.token_offset[sel] + n[sel]
-    has_next[sel] = ends < source.lengths()[rows.sample_index[sel]]
-    read_len = np.where(needed, n + has_next, 0)
-    read_rows = np.flatnonzero(read_len > 0)
-    cat = read_segments(source, rows.sample_index[read_rows], rows.token_offset[read_rows],
-                        read_len[read_rows])
-    if cat.size == 0:
-        cat = np.zeros(1, np.int64)
-    start = (np.cumsum(read_len) - read_len)[row]
-    labels = np.zeros((depth, len(idx)), dtype=np.int64)
-    mask = np.zeros((depth, len(idx)), dtype=np.float32)
+    # The same walk and reads as the LM labels (runtime.data.walk): every row this rank has a
+    # real slot of, whole, plus the sample's next token where the plan split the sample.
+    got = read(rows, source, walk(rows, layout), with_next=True)
+    slots = len(got.walk.idx)
+    labels = np.zeros((depth, slots), dtype=np.int64)
+    mask = np.zeros((depth, slots), dtype=np.float32)
     for d in range(1, depth + 1):
         # Depth d at position p: the LM label of position p + d, i.e. the token p + d + 1.
-        valid = real & (pos + d < n[row]) & (pos + d + 1 < read_len[row])
-        labels[d - 1] = np.where(valid, cat[np.where(valid, start + pos + d + 1, 0)], 0)
-        mask[d - 1] = valid
+        labels[d - 1], mask[d - 1] = got.labels(d)
     return MTPInputs(labels=torch.from_numpy(labels), loss_mask=torch.from_numpy(mask),
                      successor=torch.from_numpy(successor_map(rows, layout)))

@@ -11,30 +11,21 @@ this test process. Skipped where the ``ray`` extra is not installed.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-pytest.importorskip("ray")
+from tests.bench.helpers import run_bench, write_lengths
 
-ROOT = Path(__file__).resolve().parents[2]
+pytest.importorskip("ray")
 
 
 @pytest.mark.slow
 def test_bench_engines_runs_and_both_engines_write_the_same_bytes(tmp_path: Path) -> None:
-    rng = np.random.default_rng(0)
-    lengths = tmp_path / "lengths.txt"
-    lengths.write_text("".join(f"{n}\n" for n in rng.integers(64, 20_000, size=400)))
+    lengths = write_lengths(tmp_path / "lengths.txt", 400)
     work = tmp_path / "work"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_engines.py"), "--lengths", str(lengths),
-         "--workers", "1", "--pool", "4", "--effort", "fast", "--workdir", str(work)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
+    out = run_bench("bench_engines.py", "--lengths", str(lengths), "--workers", "1", "--pool",
+                    "4", "--effort", "fast", "--workdir", str(work))
     assert "lengths.txt: 400 sequences, 7 steps, N=4, effort fast, 1 workers" in out
     rows = {m.group(1): m.group(2) for m in re.finditer(
         r"^\s*(local|ray)\s+[\d.]+\s+[\d,.]+\s+[\d,]+\s+(\S+)\s*$", out, re.M)}

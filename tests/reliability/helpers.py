@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "data" / "sample.jsonl"
@@ -47,3 +48,10 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
 
 def no_traceback(text: str) -> bool:
     return "Traceback" not in text
+
+
+def stderr_of(capsys: pytest.CaptureFixture[str]) -> str:
+    """What was printed to stderr since the last read, checked to hold no traceback."""
+    err = capsys.readouterr().err
+    assert no_traceback(err)
+    return err

@@ -24,7 +24,13 @@ import torch
 
 from planner.cli import main as plan_main
 from runtime.train.cli import main as train_main
-from tests.reliability.helpers import TRAIN_FLAGS, no_traceback, pool1_plan, write_token_jsonl
+from tests.reliability.helpers import (
+    TRAIN_FLAGS,
+    no_traceback,
+    pool1_plan,
+    stderr_of,
+    write_token_jsonl,
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +43,6 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def _train(run: dict[str, Path], *extra: str) -> int:
     return train_main(["--plan", str(run["plan"]), "--dataset", str(run["data"]), *TRAIN_FLAGS,
                        *extra])
-
-
-def _err(capsys: pytest.CaptureFixture[str]) -> str:
-    err = capsys.readouterr().err
-    assert no_traceback(err)
-    return err
 
 
 def _saved(run: dict[str, Path], name: str, steps: int = 1) -> Path:
@@ -85,7 +85,7 @@ def test_a_crafted_checkpoint_runs_no_code(run: dict[str, Path], target: str,
             _rewrite(step, "state.pt", {**state, "format": 2})
         _rewrite(step, "rng-0.pt", {"torch": torch.get_rng_state(), "numpy": _Evil(marker)})
     assert _train(run, "--steps", "2", "--resume", str(ck)) == 2
-    err = _err(capsys)
+    err = stderr_of(capsys)
     assert "holds objects other than tensors and plain data" in err
     assert target.split()[-1] in err
     assert not marker.exists()
@@ -99,17 +99,17 @@ def test_every_key_of_the_state_is_named(run: dict[str, Path],
     for key in ("meta", "model", "optimizer", "next_step"):
         _rewrite(step, "state.pt", {k: v for k, v in state.items() if k != key})
         assert _train(run, "--steps", "2", "--resume", str(ck)) == 2
-        assert f"state.pt: checkpoint state has no {key!r}" in _err(capsys)
+        assert f"state.pt: checkpoint state has no {key!r}" in stderr_of(capsys)
     _rewrite(step, "state.pt", {**state, "meta": {"model": state["meta"]["model"]}})
     assert _train(run, "--steps", "2", "--resume", str(ck)) == 2
-    assert "checkpoint meta has no 'dataset'" in _err(capsys)
+    assert "checkpoint meta has no 'dataset'" in stderr_of(capsys)
     _rewrite(step, "state.pt", {**state, "next_step": "1"})
     assert _train(run, "--steps", "2", "--resume", str(ck)) == 2
-    assert "checkpoint 'next_step' is a str, expected a int" in _err(capsys)
+    assert "checkpoint 'next_step' is a str, expected a int" in stderr_of(capsys)
     _rewrite(step, "state.pt", state)
     _rewrite(step, "rng-0.pt", {"torch": torch.get_rng_state()})
     assert _train(run, "--steps", "2", "--resume", str(ck)) == 2
-    assert "rng-0.pt: RNG state 'numpy' is missing" in _err(capsys)
+    assert "rng-0.pt: RNG state 'numpy' is missing" in stderr_of(capsys)
 
 
 def test_format_2_checkpoints_still_resume(run: dict[str, Path]) -> None:
@@ -226,7 +226,7 @@ def test_negative_token_id_is_not_a_vocabulary_problem(
     plan = pool1_plan(plan_main, data, tmp_path / "neg.arrow")
     assert train_main(["--plan", str(plan), "--dataset", str(data), *TRAIN_FLAGS,
                        "--steps", "1"]) == 2
-    err = _err(capsys)
+    err = stderr_of(capsys)
     assert "token id -5 is negative" in err
     assert "--vocab-size" not in err
 

@@ -13,7 +13,6 @@ batch larger than the dataset wrote a 0-step plan that ``dcp-train`` "trained" w
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,17 +26,17 @@ import pytest
 from planner.cli import main
 from planner.sources.lengths import write_megatron_dataset
 from runtime.data.tokens import open_token_source
-from tests.reliability.helpers import PLAN_FLAGS, ROOT, SAMPLE, no_traceback, write_token_jsonl
+from tests.reliability.helpers import (
+    PLAN_FLAGS,
+    ROOT,
+    SAMPLE,
+    stderr_of,
+    write_token_jsonl,
+)
 
 SPLIT = ["--dp", "1", "--cp", "2", "--max-tokens-per-rank", "64", "--global-batch-size", "2",
          "--long-sequences", "split", "--quiet"]
 HUGE = 1099511627776  # 2^40 tokens
-
-
-def _err(capsys: pytest.CaptureFixture[str]) -> str:
-    err = capsys.readouterr().err
-    assert no_traceback(err)
-    return err
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "txt", "parquet", "arrow"])
@@ -60,7 +59,7 @@ def test_absurd_length_is_named_before_any_allocation(
                 w.write_table(table)
         where = f"{path}: row 1: 'length' is {HUGE}, more than the 2147483647 tokens"
     assert main([str(path), "-o", str(tmp_path / "p.arrow"), *SPLIT]) == 2
-    assert where in _err(capsys)
+    assert where in stderr_of(capsys)
     # --skip-bad-records skips it like any other bad record
     assert main([str(path), "-o", str(tmp_path / "p.arrow"), *SPLIT, "--skip-bad-records"]) == 0
 
@@ -82,7 +81,7 @@ def test_split_into_too_many_microbatches_is_refused(
     path = tmp_path / "long.txt"
     path.write_text("100\n2000000\n")  # 2M tokens in segments of 128: 15,625 microbatches
     assert main([str(path), "-o", str(tmp_path / "p.arrow"), *SPLIT]) == 2
-    err = _err(capsys)
+    err = stderr_of(capsys)
     assert f"{path}: sample 1 has 2000000 tokens" in err
     assert "15625 microbatches in one step (at most 4096)" in err
 
@@ -93,7 +92,7 @@ def test_capacity_below_the_padding_multiple_is_refused(
     assert main([str(SAMPLE), "-o", out, "--dp", "1", "--cp", "2", "--max-tokens-per-rank", "3",
                  "--global-batch-size", "64", "--long-sequences", "split", "--quiet"]) == 2
     assert ("max tokens per rank 3 is below the padding multiple 4 of group size 2"
-            in _err(capsys))
+            in stderr_of(capsys))
     # limiting the group sizes makes the same capacity legal
     assert main([str(SAMPLE), "-o", out, "--dp", "1", "--cp", "2", "--max-tokens-per-rank", "3",
                  "--global-batch-size", "64", "--long-sequences", "truncate", "--cp-sizes", "1",
@@ -104,7 +103,7 @@ def test_zero_step_plan_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture
     assert main([str(SAMPLE), "-o", str(tmp_path / "p.arrow"), "--dp", "2", "--cp", "2",
                  "--max-tokens-per-rank", "8192", "--global-batch-size", "5000", "--drop-last",
                  "--long-sequences", "split"]) == 2
-    err = _err(capsys)
+    err = stderr_of(capsys)
     assert "the plan would have no steps: 2000 plannable samples" in err
     assert not (tmp_path / "p.arrow").exists()
 
@@ -187,7 +186,7 @@ def test_corrupt_columnar_files_are_named(tmp_path: Path, make: object,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     bad = make(tmp_path)  # type: ignore[operator]
     assert main([str(bad), "-o", str(tmp_path / "p.arrow"), *PLAN_FLAGS]) == 2
-    assert f"{bad}: unreadable" in _err(capsys)
+    assert f"{bad}: unreadable" in stderr_of(capsys)
     with pytest.raises(ValueError, match=f"{bad}: .*unreadable"):
         open_token_source(bad).lengths()
 
@@ -201,26 +200,17 @@ def test_cost_model_with_a_string_names_file_and_parameter(
     assert main([str(SAMPLE), "-o", str(tmp_path / "p.arrow"), *PLAN_FLAGS,
                  "--cost-model", str(cm)]) == 2
     assert (f"{cm}: cost-model parameter linear_s_per_token must be a finite number >= 0, got "
-            "'9.4e-06'") in _err(capsys)
+            "'9.4e-06'") in stderr_of(capsys)
 
 
 def test_full_disk_names_the_plan_and_leaves_nothing(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("needs root to mount a small tmpfs (a real full disk)")
-    try:
-        out = mnt / "p.arrow"
-        assert main([str(SAMPLE), "-o", str(out), *PLAN_FLAGS]) == 2
-        err = _err(capsys)
-        assert f"{out}: cannot write the plan:" in err
-        assert "No space left on device" in err
-        assert list(mnt.iterdir()) == []
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
-    shutil.rmtree(mnt, ignore_errors=True)
+        small_disk: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = small_disk / "p.arrow"
+    assert main([str(SAMPLE), "-o", str(out), *PLAN_FLAGS]) == 2
+    err = stderr_of(capsys)
+    assert f"{out}: cannot write the plan:" in err
+    assert "No space left on device" in err
+    assert list(small_disk.iterdir()) == []
 
 
 def _shown_steps(out: str) -> list[int]:
@@ -255,12 +245,12 @@ def test_show_steps_are_python_slices(tmp_path: Path, capsys: pytest.CaptureFixt
              "-32..-1 from the end)"),
             (["--step", "-33"], "--step -33 is out of range")]:
         assert main(["show", str(plan), *argv]) == 2, argv
-        assert message in _err(capsys), argv
+        assert message in stderr_of(capsys), argv
     for bad in ("abc", "1:2:3", "::", "a:", "--3"):
         with pytest.raises(SystemExit) as exc:
             main(["show", str(plan), f"--steps={bad}"])
         assert exc.value.code == 2
-        err = _err(capsys)
+        err = stderr_of(capsys)
         assert "argument --steps: expected a step range A:B" in err, bad
     assert main(["show", str(plan), "--step=-1", "--json"]) == 0
     assert {json.loads(x)["step"] for x in capsys.readouterr().out.splitlines()} == {n - 1}

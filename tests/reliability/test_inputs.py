@@ -19,13 +19,7 @@ import pytest
 
 from planner.cli import main as plan_main
 from planner.notebook.view import read_plan
-from tests.reliability.helpers import PLAN_FLAGS, SAMPLE, no_traceback, run_cli
-
-
-def _err(capsys: pytest.CaptureFixture[str]) -> str:
-    err = capsys.readouterr().err
-    assert no_traceback(err)
-    return err
+from tests.reliability.helpers import PLAN_FLAGS, SAMPLE, no_traceback, run_cli, stderr_of
 
 
 def test_a_plan_is_never_read_as_a_dataset(tmp_path: Path,
@@ -40,7 +34,7 @@ def test_a_plan_is_never_read_as_a_dataset(tmp_path: Path,
     for item in (str(shards), str(shards / "*")):
         again = tmp_path / "again.arrow"
         assert plan_main([item, "-o", str(again), *PLAN_FLAGS]) == 0
-        err = _err(capsys)
+        err = stderr_of(capsys)
         assert f"dcp-plan: notice: {first}: a dcp plan in {item!r}, not a dataset file" in err
         files = read_plan(again).header.dataset.files
         assert [f["path"] for f in files] == [str(shards / "a.jsonl")]
@@ -48,12 +42,12 @@ def test_a_plan_is_never_read_as_a_dataset(tmp_path: Path,
             read_plan(first).header.dataset.fingerprint
     # Named as the dataset: refused.
     assert plan_main([str(first), "-o", str(tmp_path / "x.arrow"), *PLAN_FLAGS]) == 2
-    assert f"{first}: is a dcp plan, not a dataset" in _err(capsys)
+    assert f"{first}: is a dcp plan, not a dataset" in stderr_of(capsys)
     only = tmp_path / "only"
     only.mkdir()
     shutil.copy(first, only / "p.arrow")
     assert plan_main([str(only), "-o", str(tmp_path / "x.arrow"), *PLAN_FLAGS]) == 2
-    assert "holds only dcp plans" in _err(capsys)
+    assert "holds only dcp plans" in stderr_of(capsys)
 
 
 def test_special_files_are_refused_as_inputs(tmp_path: Path,
@@ -73,16 +67,16 @@ def test_special_files_are_refused_as_inputs(tmp_path: Path,
     assert f"{cm}: is a FIFO (named pipe), not a regular file; a cost model must be" in r.stderr
     for plan, what in ((tmp_path, "a directory"), (fifo, "a FIFO (named pipe)")):
         assert plan_main(["validate", str(plan)]) == 2
-        assert f"{plan}: is {what}, not a regular file; a plan must be" in _err(capsys)
+        assert f"{plan}: is {what}, not a regular file; a plan must be" in stderr_of(capsys)
     try:
         os.mknod(tmp_path / "zero.jsonl", stat.S_IFCHR | 0o666, os.makedev(1, 5))
     except OSError:
         return  # not root: no device node (the FIFO cases above are the same check)
     zero = tmp_path / "zero.jsonl"
     assert plan_main([str(zero), "-o", str(tmp_path / "p.arrow"), *PLAN_FLAGS]) == 2
-    assert f"{zero}: is a character device, not a regular file" in _err(capsys)
+    assert f"{zero}: is a character device, not a regular file" in stderr_of(capsys)
     assert plan_main(["validate", str(zero)]) == 2
-    assert "is a character device, not a regular file; a plan must be" in _err(capsys)
+    assert "is a character device, not a regular file; a plan must be" in stderr_of(capsys)
 
 
 def _megatron_with(tmp_path: Path, name: str, edit: str) -> Path:
@@ -116,7 +110,7 @@ def test_megatron_index_pointers_are_checked(tmp_path: Path, edit: str, problem:
 
     prefix = _megatron_with(tmp_path, "ds", edit)
     assert plan_main([str(prefix), "-o", str(tmp_path / "p.arrow"), *PLAN_FLAGS]) == 2
-    err = _err(capsys)
+    err = stderr_of(capsys)
     assert f"{prefix}.idx: sequence 3: {problem}" in err
     with pytest.raises(ValueError, match=re.escape(f"sequence 3: {problem}")):
         open_token_source(str(prefix))
@@ -156,7 +150,7 @@ def test_seeds_outside_64_bits_and_int32_groups_are_refused(
     assert plan_main([str(SAMPLE), "-o", str(out), "--dp", "1", "--cp", "4",
                       "--max-tokens-per-rank", str(2**31 - 1), "--global-batch-size", "8",
                       "--quiet"]) == 2
-    err = _err(capsys)
+    err = stderr_of(capsys)
     assert "a group of 4 ranks holds up to 4 x 2147483647 = 8589934588 padded tokens, more " \
            "than the 2147483647 that int32 offsets (cu_seqlens) address; lower " \
            "--max-tokens-per-rank to at most 536870911" in err

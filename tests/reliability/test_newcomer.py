@@ -26,16 +26,11 @@ from tests.reliability.helpers import (
     TRAIN_FLAGS,
     no_traceback,
     pool1_plan,
+    stderr_of,
     write_token_jsonl,
 )
 
 BIN = Path(sys.executable).parent
-
-
-def _err(capsys: pytest.CaptureFixture[str]) -> str:
-    err = capsys.readouterr().err
-    assert no_traceback(err)
-    return err
 
 
 def test_the_summary_says_how_to_launch_and_the_mismatch_too(
@@ -58,7 +53,7 @@ def test_the_summary_says_how_to_launch_and_the_mismatch_too(
                  "--long-sequences", "split", "--quiet"]) == 0
     assert train_main(["--plan", str(pool4), "--dataset", str(SAMPLE), "--vocab-size", "32000",
                        "--steps", "1", "--quiet"]) == 2
-    err = _err(capsys)
+    err = stderr_of(capsys)
     assert "plan built for world_size=4 (dp=2, cp=2, tp=1, pp=1), got 1: launch torchrun " \
            "--nproc-per-node 4 (dp 2 x cp 2 x tp 1 x pp 1 = 4 processes" in err
 
@@ -79,7 +74,7 @@ def test_validate_reads_the_plans_skip_policy(tmp_path: Path,
     lines = clean.read_text().splitlines()
     clean.write_text("\n".join([lines[0], '{"input_ids": [1, 2,', *lines[1:]]) + "\n")
     assert main(["validate", str(plan2), str(clean)]) == 2
-    assert f"{clean}:2" in _err(capsys)
+    assert f"{clean}:2" in stderr_of(capsys)
 
 
 def test_effort_help_quotes_the_measured_cost() -> None:
@@ -150,9 +145,9 @@ def test_resume_says_from_which_checkpoint_and_step(tmp_path: Path,
     for reference in ([], ["--reference"]):  # the replayed run and its oracle
         capsys.readouterr()
         assert train_main([*base, "--steps", "2", *reference]) == 0
-        assert "resuming" not in _err(capsys)
+        assert "resuming" not in stderr_of(capsys)
         assert train_main([*base, "--steps", "3", "--resume", str(ckpt), *reference]) == 0
-        assert f"dcp-train: resuming from {ckpt}/step-00000002 at step 2\n" in _err(capsys)
+        assert f"dcp-train: resuming from {ckpt}/step-00000002 at step 2\n" in stderr_of(capsys)
         for f in sorted(ckpt.iterdir()):
             if f.is_dir():
                 for g in f.iterdir():
@@ -170,7 +165,7 @@ def test_a_missing_dataset_is_named_not_an_errno(tmp_path: Path,
     for extra in ([], ["--reference"]):
         assert train_main(["--plan", str(plan), "--dataset", str(tmp_path / "nope.jsonl"),
                            *TRAIN_FLAGS, *extra]) == 2
-        err = _err(capsys)
+        err = stderr_of(capsys)
         assert "Errno" not in err
         assert f"dcp-train: error: {tmp_path}/nope.jsonl: no such file; {plan} was made from " \
                f"{data}: give that dataset with --dataset" in err
@@ -182,17 +177,17 @@ def test_a_missing_dataset_is_named_not_an_errno(tmp_path: Path,
                        "--eval-plan", str(eval_plan), "--eval-dataset",
                        str(tmp_path / "gone.jsonl")]) == 2
     assert f"{tmp_path}/gone.jsonl: no such file; {eval_plan} was made from {data}: give that " \
-           "dataset with --eval-dataset" in _err(capsys)
+           "dataset with --eval-dataset" in stderr_of(capsys)
     # A cost model file that is not there (a preset is a name without a suffix).
     assert main([str(data), "--dp", "1", "--max-tokens-per-rank", "256", "--global-batch-size",
                  "6", "-o", str(tmp_path / "c.arrow"), "--cost-model", "cm.json"]) == 2
     assert "cm.json: no such cost model file (a JSON file, e.g. from dcp-calibrate, or a " \
-           "preset name: dense-7b-h200, " in _err(capsys)
+           "preset name: dense-7b-h200, " in stderr_of(capsys)
     assert not (tmp_path / "c.arrow").exists()
     # The plan's own files (the default dataset) moved away: the same message.
     data.rename(tmp_path / "moved.jsonl")
     assert train_main(["--plan", str(plan), *TRAIN_FLAGS]) == 2
-    assert f"{data}: no such file" in _err(capsys)
+    assert f"{data}: no such file" in stderr_of(capsys)
 
 
 @pytest.mark.parametrize("command", ["validate", "show", "compare", "report"])
@@ -243,14 +238,14 @@ def test_counts_are_refused_when_negative(tmp_path: Path,
         with pytest.raises(SystemExit) as e:
             train_main(["--plan", str(plan), *argv])
         assert e.value.code == 2
-        assert f"argument {flag}: expected an integer >= 0, got -" in _err(capsys)
+        assert f"argument {flag}: expected an integer >= 0, got -" in stderr_of(capsys)
     for argv, flag in ((["--pad-to-multiple", "-1"], "--pad-to-multiple"),
                        (["--epochs", "-1"], "--epochs")):
         with pytest.raises(SystemExit) as e:
             main([str(SAMPLE), "--dp", "2", "--max-tokens-per-rank", "4096",
                   "--global-batch-size", "32", "-o", str(plan), *argv])
         assert e.value.code == 2
-        assert f"argument {flag}: expected a positive integer, got -1" in _err(capsys)
+        assert f"argument {flag}: expected a positive integer, got -1" in stderr_of(capsys)
 
 
 @pytest.mark.slow

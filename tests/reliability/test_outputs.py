@@ -31,18 +31,13 @@ from tests.reliability.helpers import (
     no_traceback,
     pool1_plan,
     run_cli,
+    stderr_of,
     write_token_jsonl,
 )
 
 
 def _sha(p: Path) -> str:
     return hashlib.sha256(p.read_bytes()).hexdigest()
-
-
-def _err(capsys: pytest.CaptureFixture[str]) -> str:
-    err = capsys.readouterr().err
-    assert no_traceback(err)
-    return err
 
 
 @pytest.fixture
@@ -60,9 +55,9 @@ def test_summary_json_never_replaces_an_input_the_plan_or_another_file(
     out = tmp_path / "out.arrow"
     # the dataset, the plan this run writes: refused before anything is read (no plan made)
     assert _plan(data, out, "--summary-json", str(data)) == 2
-    assert f"{data}: the output is the input {data}" in _err(capsys)
+    assert f"{data}: the output is the input {data}" in stderr_of(capsys)
     assert _plan(data, out, "--summary-json", str(out)) == 2
-    assert "is also this run's -o/--output output" in _err(capsys)
+    assert "is also this run's -o/--output output" in stderr_of(capsys)
     assert not out.exists()
     assert _sha(data) == before
     # an existing plan, a user's notes: refused; an earlier summary: replaced
@@ -74,7 +69,7 @@ def test_summary_json_never_replaces_an_input_the_plan_or_another_file(
     for target, why in ((other, "is not a JSON summary"), (notes, "is not a JSON summary")):
         kept = _sha(target)
         assert _plan(data, tmp_path / "p2.arrow", "--summary-json", str(target)) == 2
-        assert f"{target}: exists and {why}; refusing to overwrite it" in _err(capsys)
+        assert f"{target}: exists and {why}; refusing to overwrite it" in stderr_of(capsys)
         assert _sha(target) == kept
     summary = tmp_path / "s.json"
     assert _plan(data, tmp_path / "p2.arrow", "--summary-json", str(summary)) == 0
@@ -117,9 +112,9 @@ def test_special_files_are_never_written_or_replaced(
         why = "a symlink loop" if name == "loop" else "not a regular file"
         # as a summary, and as the plan with --overwrite (which replaced FIFOs and devices)
         assert _plan(data, tmp_path / "p.arrow", "--summary-json", str(target)) == 2, name
-        assert why in _err(capsys), name
+        assert why in stderr_of(capsys), name
         assert _plan(data, target, "--overwrite") == 2, name
-        assert why in _err(capsys), name
+        assert why in stderr_of(capsys), name
         assert _still_special(target, name), name
     assert not (tmp_path / "p.arrow").exists()
 
@@ -140,7 +135,7 @@ def test_symlink_loop_as_input_is_named(specials: dict[str, Path], tmp_path: Pat
                                         capsys: pytest.CaptureFixture[str]) -> None:
     loop = specials["loop"]
     assert plan_main([str(loop), "-o", str(tmp_path / "p.arrow"), *PLAN_FLAGS]) == 2
-    err = _err(capsys)
+    err = stderr_of(capsys)
     assert f"{loop}: a symlink loop" in err
 
 
@@ -162,14 +157,14 @@ def test_read_only_directory_is_named_before_the_work(
     """Before: the temporary file's name and, from a ``finally: unlink``, another error."""
     out = read_only / "p.arrow"
     assert _plan(data, out) == 2
-    err = _err(capsys)
+    err = stderr_of(capsys)
     assert f"{out}: cannot write in {read_only}: Read-only file system (EROFS)" in err
     assert ".tmp-" not in err
     assert ".spill-" not in err
     # a summary there is refused before the plan is made (the plan would be the lost work)
     plan = tmp_path / "p.arrow"
     assert _plan(data, plan, "--summary-json", str(read_only / "s.json")) == 2
-    assert "Read-only file system (EROFS)" in _err(capsys)
+    assert "Read-only file system (EROFS)" in stderr_of(capsys)
     assert not plan.exists()
 
 
@@ -183,7 +178,7 @@ def test_long_names(data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[st
         ["ds.jsonl", out.name, "s" * 245 + ".json"])
     too_long = tmp_path / ("q" * 294 + ".arrow")
     assert _plan(data, too_long) == 2
-    assert "is 300 bytes, more than the 255 this file system allows" in _err(capsys)
+    assert "is 300 bytes, more than the 255 this file system allows" in stderr_of(capsys)
     # the temporary names stay within 255 bytes, and stale ones are still found
     from planner.fileguard import remove_stale_temps, temp_path
 
@@ -195,23 +190,15 @@ def test_long_names(data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 
 def test_full_disk_names_the_summary_and_leaves_nothing(
-        data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("needs root to mount a small tmpfs (a real full disk)")
-    try:
-        filler = mnt / "filler"
-        with open(filler, "wb") as f, pytest.raises(OSError, match="No space left"):
-            f.write(b"x" * (1 << 20))
-        summary = mnt / "s.json"
-        assert _plan(data, tmp_path / "p.arrow", "--summary-json", str(summary)) == 2
-        err = _err(capsys)
-        assert f"{summary}: cannot write the summary: No space left on device (ENOSPC)" in err
-        assert sorted(p.name for p in mnt.iterdir()) == ["filler"]
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
+        data: Path, tmp_path: Path, small_disk: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    filler = small_disk / "filler"
+    with open(filler, "wb") as f, pytest.raises(OSError, match="No space left"):
+        f.write(b"x" * (1 << 20))
+    summary = small_disk / "s.json"
+    assert _plan(data, tmp_path / "p.arrow", "--summary-json", str(summary)) == 2
+    err = stderr_of(capsys)
+    assert f"{summary}: cannot write the summary: No space left on device (ENOSPC)" in err
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]
 
 
 @pytest.fixture(scope="module")
@@ -235,17 +222,17 @@ def test_train_outputs_are_checked_before_the_first_step(
                               ("--summary-json", plan, "the output is the input"),
                               ("--save", plan, "is the input")):
         assert _train(run, flag, str(target)) == 2, (flag, target)
-        err = _err(capsys)
+        err = stderr_of(capsys)
         assert why in err, (flag, target)
         assert '"step"' not in capsys.readouterr().out
     assert {p: _sha(p) for p in kept} == kept
     log = run["dir"] / "log.jsonl"
     assert _train(run, "--log-jsonl", str(log), "--summary-json", str(log)) == 2
-    assert "is also this run's --log-jsonl output" in _err(capsys)
+    assert "is also this run's --log-jsonl output" in stderr_of(capsys)
     notes = run["dir"] / "notes.txt"
     notes.write_text("a line\n")
     assert _train(run, "--log-jsonl", str(notes)) == 2
-    assert "is not a dcp-train JSON-lines log" in _err(capsys)
+    assert "is not a dcp-train JSON-lines log" in stderr_of(capsys)
     assert notes.read_text() == "a line\n"
 
 
@@ -273,10 +260,10 @@ def test_calibrate_refuses_outputs_before_measuring(
     args = ["--quick", "--device", "cpu", "--attention", "reference", "--max-tokens", "64",
             "--min-length", "16", "--max-length", "32"]
     assert calibrate_main(["-o", str(notes), *args]) == 2
-    assert f"{notes}: exists and is not a JSON cost model" in _err(capsys)
+    assert f"{notes}: exists and is not a JSON cost model" in stderr_of(capsys)
     assert calibrate_main(["-o", str(tmp_path / "new.json"), "--summary-json",
                            str(tmp_path / "new.json"), *args]) == 2
-    assert "is also this run's -o/--output output" in _err(capsys)
+    assert "is also this run's -o/--output output" in stderr_of(capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cm.json"]
 
 

@@ -44,8 +44,8 @@ from runtime.adapters.megatron.compat import mcore
 from runtime.data.batch import MicrobatchInputs, build_microbatch, to_device
 from runtime.data.mtp import mtp_inputs
 from runtime.data.plan_reader import GroupRows, PlanReader
-from runtime.data.shard import shard_indices_np
 from runtime.data.tokens import TokenSource
+from runtime.data.walk import walk
 from runtime.train.model import check_token_ids
 
 Batch = dict[str, Any]
@@ -69,11 +69,8 @@ class Segments:
 
 def slots(rows: GroupRows, layout: str) -> tuple[np.ndarray, np.ndarray]:
     """(row of each of this rank's slots, whether the slot holds a real token)."""
-    cu_pad = np.zeros(len(rows.padded_tokens) + 1, dtype=np.int64)
-    np.cumsum(rows.padded_tokens, out=cu_pad[1:])
-    idx = shard_indices_np(layout, cu_pad, rows.cp_size, rows.cp_rank)
-    row = np.searchsorted(cu_pad[1:], idx, side="right")
-    return row, idx - cu_pad[row] < rows.num_tokens[row]
+    w = walk(rows, layout)
+    return w.row, w.real
 
 
 def padding_mask(rows: GroupRows, layout: str) -> torch.Tensor:

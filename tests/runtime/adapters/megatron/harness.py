@@ -4,6 +4,9 @@ Every distributed run and every oracle run happens in fresh processes (``tests.d
 adapter's patches to Megatron's modules never touch the test process. Parameters come back
 under their global names; TP shards are put back together here (an inverse written apart from
 the adapter's slicing) before they are compared with the oracle's full tensors.
+
+The set-up the test files share lives here too: ``pool4`` / ``pool2`` (a dataset and its plan,
+with the CP group sizes it must use) and ``train_and_oracle`` (one launch per world).
 """
 
 from __future__ import annotations
@@ -23,15 +26,17 @@ from planner.cost import load_cost_model
 from planner.plan import make_plan
 from planner.planfile.io import write_plan
 from planner.sources.lengths import read_lengths
+from runtime.data.plan_reader import PlanReader
 from runtime.train import TrainConfig, TrainResult
 from runtime.train.model import GPTConfig
+from tests.dist import run_distributed
 
 # megatron-core quietly (mcore silences its import warnings), before any result unpickles:
 # 0.19.2's ranks pickle tensors through megatron.core.safe_globals, whose first import in the
 # test process would otherwise turn torch's deprecation warnings into errors. Without
 # megatron-core the tests that need it skip or fail on their own.
 with contextlib.suppress(ImportError):
-    from runtime.adapters.megatron import mcore  # noqa: F401
+    from runtime.adapters.megatron.compat import mcore  # noqa: F401
 
 MODEL = GPTConfig(vocab_size=64, num_layers=2, hidden_size=32, num_heads=4, num_query_groups=2)
 STEPS = 3
@@ -79,6 +84,30 @@ def eval_set(tmp: Path, *, capacity: int = 32, batch: int = 8, long: int = 2,
 def cfg(plan_path: Path, data: Path, **kw: Any) -> TrainConfig:
     return TrainConfig(**{"plan": str(plan_path), "dataset": str(data), "steps": STEPS,
                           "seed": 7, "lr": 3e-3, "quiet": True, **kw})
+
+
+def cp_sizes(path: Path, steps: int = STEPS) -> set[int]:
+    """The CP group sizes that a plan's first ``steps`` steps use."""
+    reader = PlanReader(path)
+    return {int(k) for i in range(steps) for k in reader.step(i).group_cp_size}
+
+
+def pool4(tmp: Path) -> tuple[Path, Path]:
+    """(plan, dataset) under ``tmp``: dp 2 x cp 2, C = 32, samples up to 4C, so groups of 1, 2
+    and 4 (checked)."""
+    data = write_dataset(tmp / "data.arrow", lengths(), MODEL.vocab_size)
+    p = plan(tmp / "plan.arrow", data, capacity=32, batch=12, dp=2, cp=2)
+    assert cp_sizes(p) == {1, 2, 4}
+    return p, data
+
+
+def pool2(tmp: Path, **parallel: Any) -> tuple[Path, Path]:
+    """(plan, dataset) under ``tmp``: a pool of 2 (``parallel``, e.g. ``dp=1, cp=2, pp=2``),
+    C = 32, samples up to 2C, so groups of 1 and 2 (checked)."""
+    data = write_dataset(tmp / "data.arrow", lengths(long=0), MODEL.vocab_size)
+    p = plan(tmp / "plan.arrow", data, capacity=32, batch=12, **parallel)
+    assert cp_sizes(p) == {1, 2}
+    return p, data
 
 
 def train_rank(rank: int, world_size: int, store: str, config: TrainConfig,
@@ -251,3 +280,12 @@ def check_run(ranks: list[dict[str, Any]], ref: TrainResult) -> None:
             assert abs(a - b) <= TOL * abs(b), (g.step, g.mtp_loss, w.mtp_loss)
     assert_same_grads(unshard(ranks, "grads"), ref.grads)
     assert_same_params(unshard(ranks), ref.state)
+
+
+def train_and_oracle(configs: list[TrainConfig], world: int
+                     ) -> tuple[list[list[dict[str, Any]]], list[TrainResult]]:
+    """Every config trained on ``world`` gloo ranks in one launch, and by the oracle in one
+    process: (per config, its ranks' results; per config, the oracle's result)."""
+    per_rank = run_distributed(train_ranks, world, configs, MODEL, timeout=600)
+    (refs,) = run_distributed(oracle_ranks, 1, configs, MODEL, timeout=600)
+    return [[r[i] for r in per_rank] for i in range(len(configs))], refs

@@ -33,10 +33,13 @@ from tests.runtime.adapters.megatron.harness import (
     assert_same_losses,
     assert_same_params,
     cfg,
+    cp_sizes,
     eval_set,
     lengths,
     oracle,
     plan,
+    pool2,
+    pool4,
     train_rank,
     train_rank_megatron_groups,
     unshard,
@@ -48,11 +51,6 @@ pytestmark = pytest.mark.dist
 OVERLAPPED = MegatronOptions(use_distributed_optimizer=True, overlap_grad_reduce=True,
                              overlap_param_gather=True, ddp_bucket_size=3000, clip_grad=0.5)
 """Megatron's production settings, with buckets small enough that the model has several."""
-
-
-def _cp_sizes(path: Path, steps: int = STEPS) -> set[int]:
-    reader = PlanReader(path)
-    return {int(k) for i in range(steps) for k in reader.step(i).group_cp_size}
 
 
 def _check(config: TrainConfig, world: int, model: GPTConfig = MODEL) -> list[dict[str, Any]]:
@@ -81,18 +79,11 @@ def _cli_oracle(rank: int, world_size: int, store: str, argv: list[str]) -> int:
     return main(argv)
 
 
-def _pool4(tmp: Path) -> tuple[Path, Path]:
-    data = write_dataset(tmp / "data.arrow", lengths(), MODEL.vocab_size)
-    p = plan(tmp / "plan.arrow", data, capacity=32, batch=12, dp=2, cp=2)
-    assert _cp_sizes(p) == {1, 2, 4}
-    return p, data
-
-
 def test_dp2_cp2_with_cp_1_2_4(tmp_path: Path) -> None:
-    p, data = _pool4(tmp_path)
+    p, data = pool4(tmp_path)
     log = tmp_path / "megatron.jsonl"
     ev = eval_set(tmp_path, dp=2, cp=2)
-    assert _cp_sizes(Path(ev["eval_plan"]), 1) == {1, 2, 4}
+    assert cp_sizes(Path(ev["eval_plan"]), 1) == {1, 2, 4}
     ranks = _check(cfg(p, data, log_jsonl=str(log), eval_interval=2, **ev), 4)
     assert ranks[0]["summary"]["grad_sync"] == "megatron-ddp"
     assert ranks[0]["summary"]["optimizer"] == "megatron"
@@ -117,7 +108,7 @@ def test_dp2_cp2_with_cp_1_2_4(tmp_path: Path) -> None:
 def test_dp2_cp2_distributed_optimizer_overlapped(tmp_path: Path) -> None:
     # Reduce-scattered buckets during the last backward, parameters all-gathered during the
     # next forward, the global norm clipped, weight decay by Megatron's groups (not on norms).
-    p, data = _pool4(tmp_path)
+    p, data = pool4(tmp_path)
     ranks = _check(cfg(p, data, weight_decay=0.1, megatron=OVERLAPPED), 4)
     assert ranks[0]["summary"]["optimizer"] == "megatron-distributed"
     assert any(log.grad_norm > 0.5 for log in ranks[0]["logs"])  # clipping took effect
@@ -129,33 +120,25 @@ def test_pool6_dp3_cp2_distributed_optimizer(tmp_path: Path) -> None:
     data = write_dataset(tmp_path / "data.arrow", lengths(short=40, medium=10, long=6),
                          MODEL.vocab_size)
     p = plan(tmp_path / "plan.arrow", data, capacity=32, batch=18, dp=3, cp=2)
-    assert _cp_sizes(p) >= {1, 2, 6}
+    assert cp_sizes(p) >= {1, 2, 6}
     _check(cfg(p, data, megatron=OVERLAPPED), 6)
 
 
-def _plan_pool2(tmp: Path, **parallel: object) -> tuple[Path, Path]:
-    # Pool 2, C = 32: samples up to 2C, so groups of 1 and of 2.
-    data = write_dataset(tmp / "data.arrow", lengths(long=0), MODEL.vocab_size)
-    p = plan(tmp / "plan.arrow", data, capacity=32, batch=12, **parallel)
-    assert _cp_sizes(p) == {1, 2}
-    return p, data
-
-
 def test_pp2_pool2_through_1f1b_distributed_optimizer(tmp_path: Path) -> None:
-    p, data = _plan_pool2(tmp_path, dp=1, cp=2, pp=2)
+    p, data = pool2(tmp_path, dp=1, cp=2, pp=2)
     ev = eval_set(tmp_path, dp=1, cp=2, pp=2, long=0)
     _check(cfg(p, data, megatron=MegatronOptions(use_distributed_optimizer=True,
                                                  overlap_grad_reduce=True), **ev), 4)
 
 
 def test_tp2_sequence_parallel_pool2(tmp_path: Path) -> None:
-    p, data = _plan_pool2(tmp_path, dp=1, cp=2, tp=2, sequence_parallel=True)
+    p, data = pool2(tmp_path, dp=1, cp=2, tp=2, sequence_parallel=True)
     _check(cfg(p, data, megatron=MegatronOptions(overlap_grad_reduce=True)), 4)
 
 
 def test_pool_grad_sync_baseline(tmp_path: Path) -> None:
     # --grad-sync pool (PoolGradSync + AdamW), the baseline the GPU benchmark compares.
-    p, data = _plan_pool2(tmp_path, dp=1, cp=2)
+    p, data = pool2(tmp_path, dp=1, cp=2)
     ranks = _check(cfg(p, data, megatron=MegatronOptions(grad_sync="pool")), 2)
     assert ranks[0]["summary"]["grad_sync"] == "pool"
 
@@ -163,7 +146,7 @@ def test_pool_grad_sync_baseline(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_vpp2_pp2_interleaved(tmp_path: Path) -> None:
     model = replace(MODEL, num_layers=4)
-    p, data = _plan_pool2(tmp_path, dp=1, cp=2, pp=2, vpp=2)
+    p, data = pool2(tmp_path, dp=1, cp=2, pp=2, vpp=2)
     reader = PlanReader(p)
     counts = [reader.step(i).num_microbatches for i in range(STEPS)]
     assert all(m % 2 == 0 for m in counts), counts  # microbatch_group_size = pp
@@ -173,7 +156,7 @@ def test_vpp2_pp2_interleaved(tmp_path: Path) -> None:
 def test_megatron_parallel_state_groups_equal_created_groups(tmp_path: Path) -> None:
     # A caller that initialised Megatron's parallel_state (hybrid DP x CP groups) keeps its
     # groups: the catalog wraps them and the run equals the one with groups created here.
-    p, data = _pool4(tmp_path)
+    p, data = pool4(tmp_path)
     config = cfg(p, data)
     mine = run_distributed(train_rank_megatron_groups, 4, config, MODEL, timeout=300)
     theirs = run_distributed(train_rank, 4, config, MODEL, timeout=300)
@@ -199,7 +182,7 @@ def _scaled_loss_rank(rank: int, world_size: int, store: str, config: TrainConfi
 
 
 def test_a_gradient_scale_error_is_caught(tmp_path: Path) -> None:
-    p, data = _plan_pool2(tmp_path, dp=1, cp=2)
+    p, data = pool2(tmp_path, dp=1, cp=2)
     config = cfg(p, data)
     ranks = run_distributed(_scaled_loss_rank, 2, config, MODEL, timeout=300)
     ref = oracle(config, MODEL)

@@ -15,26 +15,18 @@ start-up costs more than the tiny models), so the parametrised tests share modul
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from runtime.data.plan_reader import PlanReader
-from runtime.train import TrainConfig, TrainResult
 from runtime.train.megatron_options import MegatronOptions
-from tests.dist import run_distributed
 from tests.runtime.adapters.megatron.harness import (
-    MODEL,
-    STEPS,
     TOL,
     cfg,
     check_run,
-    lengths,
-    oracle_ranks,
-    plan,
-    train_ranks,
-    write_dataset,
+    pool2,
+    pool4,
+    train_and_oracle,
 )
 
 pytestmark = pytest.mark.dist
@@ -48,30 +40,16 @@ def moe(kind: str, **kw: Any) -> MegatronOptions:
                            moe_router_load_balancing_type=kind, **kw)
 
 
-def _runs(configs: list[TrainConfig], world: int) -> tuple[list[Any], list[TrainResult]]:
-    per_rank = run_distributed(train_ranks, world, configs, MODEL, timeout=600)
-    (refs,) = run_distributed(oracle_ranks, 1, configs, MODEL, timeout=600)
-    return [[r[i] for r in per_rank] for i in range(len(configs))], refs
-
-
-def _cp_sizes(path: Path) -> set[int]:
-    reader = PlanReader(path)
-    return {int(k) for i in range(STEPS) for k in reader.step(i).group_cp_size}
-
-
 @pytest.fixture(scope="module")
 def dp2_cp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    tmp = tmp_path_factory.mktemp("moe-dp2-cp2")
-    data = write_dataset(tmp / "data.arrow", lengths(), MODEL.vocab_size)
-    p = plan(tmp / "plan.arrow", data, capacity=32, batch=12, dp=2, cp=2)
-    assert _cp_sizes(p) == {1, 2, 4}
+    p, data = pool4(tmp_path_factory.mktemp("moe-dp2-cp2"))
     options = {"aux_loss": moe("aux_loss"),
                # Megatron's production settings on one of them.
                "seq_aux_loss": moe("seq_aux_loss", use_distributed_optimizer=True,
                                    overlap_grad_reduce=True, overlap_param_gather=True,
                                    ddp_bucket_size=3000),
                "global_aux_loss": moe("global_aux_loss")}
-    runs, refs = _runs([cfg(p, data, megatron=options[k]) for k in KINDS], 4)
+    runs, refs = train_and_oracle([cfg(p, data, megatron=options[k]) for k in KINDS], 4)
     return {k: (run, ref) for k, run, ref in zip(KINDS, runs, refs, strict=True)}
 
 
@@ -100,13 +78,10 @@ def test_the_load_balancing_units_matter(dp2_cp2: dict[str, Any]) -> None:
 
 @pytest.fixture(scope="module")
 def tp2_sp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    tmp = tmp_path_factory.mktemp("moe-tp2-sp")
-    data = write_dataset(tmp / "data.arrow", lengths(long=0), MODEL.vocab_size)
-    p = plan(tmp / "plan.arrow", data, capacity=32, batch=12, dp=1, cp=2, tp=2,
-             sequence_parallel=True)
-    assert _cp_sizes(p) == {1, 2}
+    p, data = pool2(tmp_path_factory.mktemp("moe-tp2-sp"), dp=1, cp=2, tp=2,
+                    sequence_parallel=True)
     kinds = ("seq_aux_loss", "global_aux_loss")
-    runs, refs = _runs([cfg(p, data, megatron=moe(k)) for k in kinds], 4)
+    runs, refs = train_and_oracle([cfg(p, data, megatron=moe(k)) for k in kinds], 4)
     return {k: (run, ref) for k, run, ref in zip(kinds, runs, refs, strict=True)}
 
 

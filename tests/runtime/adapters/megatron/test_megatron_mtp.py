@@ -24,16 +24,13 @@ from runtime.data.plan_reader import PlanReader
 from runtime.data.shard import zigzag_indices_np
 from runtime.data.tokens import open_token_source
 from runtime.train.megatron_options import MegatronOptions
-from tests.dist import run_distributed
 from tests.runtime.adapters.megatron.harness import (
     MODEL,
-    STEPS,
     cfg,
     check_run,
-    lengths,
-    oracle_ranks,
-    plan,
-    train_ranks,
+    pool2,
+    pool4,
+    train_and_oracle,
     write_dataset,
 )
 from tests.runtime.planfactory import random_plan
@@ -116,17 +113,9 @@ def _tokens(rows: Any, source: Any) -> np.ndarray:
     return np.concatenate(out)
 
 
-def _cp_sizes(path: Path) -> set[int]:
-    reader = PlanReader(path)
-    return {int(k) for i in range(STEPS) for k in reader.step(i).group_cp_size}
-
-
 def _run(config: Any, world: int) -> None:
-    (ranks,) = zip(*run_distributed(train_ranks, world, [config], MODEL, timeout=600),
-                   strict=True)
-    (refs,) = run_distributed(oracle_ranks, 1, [config], MODEL, timeout=600)
-    ref = refs[0]
-    check_run(list(ranks), ref)
+    (ranks,), (ref,) = train_and_oracle([config], world)
+    check_run(ranks, ref)
     depth = config.megatron.mtp_num_layers
     assert all(log.mtp_loss is not None and len(log.mtp_loss) == depth for log in ref.logs)
     assert ranks[0]["summary"]["mtp_num_layers"] == depth
@@ -134,9 +123,7 @@ def _run(config: Any, world: int) -> None:
 
 @pytest.mark.dist
 def test_dp2_cp2_with_cp_1_2_4_equals_the_oracle(tmp_path: Path) -> None:
-    data = write_dataset(tmp_path / "data.arrow", lengths(), MODEL.vocab_size)
-    p = plan(tmp_path / "plan.arrow", data, capacity=32, batch=12, dp=2, cp=2)
-    assert _cp_sizes(p) == {1, 2, 4}
+    p, data = pool4(tmp_path)
     # lr 1e-3 (both tests): Adam's first steps magnify the fp32 rounding of near-zero
     # gradients (at 3e-3 a few MTP-side weights end 1.1-1.8e-5 apart after 3 steps while the
     # step-0 gradients agree to 4e-7); the parameters still move far past the tolerance.
@@ -148,8 +135,6 @@ def test_dp2_cp2_with_cp_1_2_4_equals_the_oracle(tmp_path: Path) -> None:
 def test_pp2_cp2_equals_the_oracle(tmp_path: Path) -> None:
     # The MTP block on the second stage: it gets the tokens and positions as well, its own
     # copy of the tied embeddings (reduced with the first stage's), and the CP groups' shifts.
-    data = write_dataset(tmp_path / "data.arrow", lengths(long=0), MODEL.vocab_size)
-    p = plan(tmp_path / "plan.arrow", data, capacity=32, batch=12, dp=1, cp=2, pp=2)
-    assert _cp_sizes(p) == {1, 2}
+    p, data = pool2(tmp_path, dp=1, cp=2, pp=2)
     _run(cfg(p, data, lr=1e-3, megatron=MegatronOptions(mtp_num_layers=2,
                                                         mtp_loss_scaling_factor=0.5)), 4)
