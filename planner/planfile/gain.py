@@ -179,7 +179,10 @@ def breakdown(stats: dict[str, Any], cp: int) -> dict[str, dict[str, Any]]:
     for name, d in describe(stats, cp).items():
         info = (stats.get("baselines") or {}).get(name, {})
         parts, basis = info.get("parts"), info.get("parts_of")
-        entry: dict[str, Any] = {"label": d["label"], "note": d["note"] or PARTS_NOT_RECORDED}
+        # No parts: why there is no gain at all, or (a gain without them) an older plan.
+        unscored = stats.get("baselines") is None or "not_scored" in info
+        entry: dict[str, Any] = {"label": d["label"],
+                                 "note": d["note"] if unscored else PARTS_NOT_RECORDED}
         if parts and basis:  # also when it cannot run some steps: the parts are of the others
             plan = float(basis["plan_seconds"])
             entry.update({
