@@ -58,7 +58,8 @@ def test_default_preset_is_marked_an_estimate(tmp_path: Path,
     [warning] = _lines(text, "warning")
     assert "an estimate (a preset; no term measured)" in warning
     prov = read_plan(out).header.cost_model["provenance"]
-    assert prov["kind"] == "preset" and prov["source"] == "dense-7b-h200"
+    assert prov["kind"] == "preset"
+    assert prov["source"] == "dense-7b-h200"
     assert set(prov["terms"].values()) == {"assumed"}
     # The measured presets are calibrations: every term measured, the ring at cp 2, no warning.
     assert main([str(SAMPLE), "-o", str(out), *PLANNING, "--cost-model", "h200-8x2048-te"]) == 0
@@ -80,7 +81,8 @@ def test_one_process_calibration_warns_in_one_line(one_process_model: Path, tmp_
     assert header.cost_model["parameters"]["cp_token_s"] == 0.0
     prov = header.cost_model["provenance"]
     today = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    assert prov["kind"] == "calibrated" and prov["date"] == today
+    assert prov["kind"] == "calibrated"
+    assert prov["date"] == today
     assert prov["terms"]["cp_fixed_s"] == prov["terms"]["cp_token_s"] == "assumed"
     assert prov["terms"]["linear_s_per_token"] == "measured"
     [cost] = _lines(text, "cost ")
@@ -91,7 +93,8 @@ def test_one_process_calibration_warns_in_one_line(one_process_model: Path, tmp_
     [warning] = _lines(text, "warning")
     assert "cp_fixed_s = 0, cp_token_s = 0 (one process" in warning
     assert "while CP > 1 groups are in use (cp2: " in warning
-    assert "static CP 2 baseline" in warning and "CP is priced as free" in warning
+    assert "static CP 2 baseline" in warning
+    assert "CP is priced as free" in warning
     # The provenance comes from the file alone: the same inputs give the same bytes.
     assert main([str(SAMPLE), "-o", str(again), *PLANNING, *model, "--quiet"]) == 0
     sha = [hashlib.sha256(p.read_bytes()).hexdigest() for p in (out, again)]
@@ -108,7 +111,8 @@ def test_one_process_calibration_warns_in_one_line(one_process_model: Path, tmp_
     assert "cp_fixed_s = 0, cp_token_s = 0" in doc["cost_model_warning"]
     assert main(["report", str(out), "-o", str(tmp_path / "r.html")]) == 0
     page = (tmp_path / "r.html").read_text()
-    assert "id='cost-warning'" in page and "cp_fixed_s = 0, cp_token_s = 0" in page
+    assert "id='cost-warning'" in page
+    assert "cp_fixed_s = 0, cp_token_s = 0" in page
     # With no CP > 1 group anywhere (a pool of one rank), the ring decides nothing: no warning.
     assert main([str(SAMPLE), "-o", str(again), "--dp", "1", "--cp", "1",
                  "--max-tokens-per-rank", "65536", "--global-batch-size", "64", *model]) == 0
@@ -149,10 +153,12 @@ def test_gain_parts_sum_to_the_gain(flags: list[str], tmp_path: Path,
     text = capsys.readouterr().out
     for label in PARTS.values():
         assert text.count(f"  {label} ") == 2
-    assert "Megatron's greedy: " in text and "(= " in text
+    assert "Megatron's greedy: " in text
+    assert "(= " in text
     assert main(["report", str(out), "-o", str(tmp_path / "r.html")]) == 0
     page = (tmp_path / "r.html").read_text()
-    assert "id='gain-parts'" in page and "id='parts-megatron-greedy'" in page
+    assert "id='gain-parts'" in page
+    assert "id='parts-megatron-greedy'" in page
 
 
 def test_parts_attribute_the_term_that_differs(tmp_path: Path) -> None:
