@@ -116,8 +116,8 @@ def _show_gain(header: Any, num_steps: int, *, as_json: bool) -> int:
         return 0
     for line in breakdown_text(header.stats, header.parallel.cp, num_steps):
         print(line)
-    print("(each part: the baseline's extra seconds there, and as a share of the plan's time; "
-          "balance is the ranks' idle time, as the rest of the difference)")
+    print("(per part: the baseline's extra seconds and their share of the plan's time, which "
+          "add up to the ratio less 1; load balance is the rest: the ranks' idle time)")
     _print_cost(header)
     return 0
 
