@@ -176,11 +176,9 @@ def _summary_table(view: PlanView) -> str:
     rows["padding"] = (f"{100 * s['padding_overhead']:.3f}% of real tokens (alignment "
                        f"{100 * s['alignment_padding']:.3f}%)")
     rows["lower bound"] = f"{s['lower_bound_seconds']:.3f} s"
-    from planner.provenance import of_header
-
-    rows["cost model"] = of_header(h)[0]
     rows["kind"] = h.kind
     rows.pop("gain", None)
+    rows.pop("warning", None)  # shown under the gain
     return "<table>" + "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td>"
                                "</tr>" for k, v in rows.items()) + "</table>"
 

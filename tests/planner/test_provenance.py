@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import html
 import json
 from datetime import datetime, timezone
 from pathlib import Path
@@ -113,6 +114,9 @@ def test_one_process_calibration_warns_in_one_line(one_process_model: Path, tmp_
     page = (tmp_path / "r.html").read_text()
     assert "id='cost-warning'" in page
     assert "cp_fixed_s = 0, cp_token_s = 0" in page
+    shown_html = read_plan(out)._repr_html_()   # the notebook's table of the plan
+    assert html.escape(cost.split(None, 1)[1]) in shown_html
+    assert "cp_fixed_s = 0, cp_token_s = 0" in shown_html
     # With no CP > 1 group anywhere (a pool of one rank), the ring decides nothing: no warning.
     assert main([str(SAMPLE), "-o", str(again), "--dp", "1", "--cp", "1",
                  "--max-tokens-per-rank", "65536", "--global-batch-size", "64", *model]) == 0
