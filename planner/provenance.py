@@ -41,13 +41,15 @@ def of_document(doc: dict[str, Any], *, source: str, preset: bool) -> dict[str, 
     fitted = doc.get("fitted")
     measured = doc.get("measured")
     if isinstance(fitted, dict):
-        known = {str(t) for t in fitted.get("terms", ()) if str(t) in TERMS}
+        terms = fitted.get("terms")
+        known = {t for t in (terms if isinstance(terms, list) else []) if t in TERMS}
         return {"kind": "fitted", "source": source, "log": str(fitted.get("log", "")),
                 "date": str(fitted.get("date", "")), "terms": _terms(known)}
     if isinstance(measured, dict):
-        samples = measured.get("samples") or []
-        sizes = sorted({int(s["cp_size"]) for s in samples
-                        if isinstance(s, dict) and int(s.get("cp_size", 1)) > 1})
+        samples = measured.get("samples")
+        sizes = sorted({s["cp_size"] for s in (samples if isinstance(samples, list) else [])
+                        if isinstance(s, dict) and type(s.get("cp_size")) is int
+                        and s["cp_size"] > 1})
         ring = bool(measured.get("ring_measured", bool(sizes)))
         known = set(TERMS) - (set() if ring else set(RING))
         machine = str(measured.get("machine", "")) or "an unnamed device"

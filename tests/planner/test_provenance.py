@@ -216,3 +216,33 @@ def test_old_plans_without_provenance_or_parts_still_show(
     assert text.count("parts not recorded: the plan was made before") == 2
     assert "provenance not recorded" in text
     assert main(["report", str(old), "-o", str(tmp_path / "o.html")]) == 0
+
+
+def test_a_hand_written_file_is_an_estimate_and_fitted_is_reserved(tmp_path: Path) -> None:
+    from planner import provenance
+    from planner.cost import load_cost_model
+
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"name": "mine", "parameters": {
+        "linear_s_per_token": 1e-5, "attention_s_per_token2": 1e-9, "cp_fixed_s": 1e-3}}))
+    prov = load_cost_model(str(path)).provenance
+    assert prov["kind"] == "file"
+    assert prov["source"] == str(path)
+    assert provenance.mark("mine", prov) == ("mine: file (estimate: no measurement recorded); "
+                                            "all 5 terms assumed")
+    # What a model fitted from a run's log will carry (item 2 of issue 33 writes it).
+    doc = {"name": "fit", "parameters": {"linear_s_per_token": 1e-5,
+                                          "attention_s_per_token2": 1e-9},
+           "fitted": {"log": "train.jsonl", "date": "2026-12-02",
+                      "terms": ["linear_s_per_token", "attention_s_per_token2", "cp_fixed_s",
+                                "cp_token_s"]}}
+    prov = provenance.of_document(doc, source="fit.json", preset=False)
+    assert provenance.label(prov) == "fitted from train.jsonl 2026-12-02"
+    assert prov["terms"]["microbatch_s"] == "assumed"
+    warning = provenance.warning(prov, doc["parameters"], ring_used="cp2: 3")
+    assert warning is not None
+    assert warning.startswith("assumed, not measured: microbatch_s:")
+    every = provenance.of_document(
+        {**doc, "fitted": {**doc["fitted"], "terms": list(provenance.TERMS)}},
+        source="fit.json", preset=False)
+    assert provenance.warning(every, doc["parameters"], ring_used="cp2: 3") is None
