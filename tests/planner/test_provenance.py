@@ -231,18 +231,18 @@ def test_a_hand_written_file_is_an_estimate_and_fitted_is_reserved(tmp_path: Pat
     assert provenance.mark("mine", prov) == ("mine: file (estimate: no measurement recorded); "
                                             "all 5 terms assumed")
     # What a model fitted from a run's log will carry (item 2 of issue 33 writes it).
-    doc = {"name": "fit", "parameters": {"linear_s_per_token": 1e-5,
-                                          "attention_s_per_token2": 1e-9},
-           "fitted": {"log": "train.jsonl", "date": "2026-12-02",
-                      "terms": ["linear_s_per_token", "attention_s_per_token2", "cp_fixed_s",
-                                "cp_token_s"]}}
+    parameters = {"linear_s_per_token": 1e-5, "attention_s_per_token2": 1e-9}
+    fitted = {"log": "train.jsonl", "date": "2026-12-02",
+              "terms": ["linear_s_per_token", "attention_s_per_token2", "cp_fixed_s",
+                        "cp_token_s"]}
+    doc = {"name": "fit", "parameters": parameters, "fitted": fitted}
     prov = provenance.of_document(doc, source="fit.json", preset=False)
     assert provenance.label(prov) == "fitted from train.jsonl 2026-12-02"
     assert prov["terms"]["microbatch_s"] == "assumed"
-    warning = provenance.warning(prov, doc["parameters"], ring_used="cp2: 3")
+    warning = provenance.warning(prov, parameters, ring_used="cp2: 3")
     assert warning is not None
     assert warning.startswith("assumed, not measured: microbatch_s:")
     every = provenance.of_document(
-        {**doc, "fitted": {**doc["fitted"], "terms": list(provenance.TERMS)}},
+        {**doc, "fitted": {**fitted, "terms": list(provenance.TERMS)}},
         source="fit.json", preset=False)
-    assert provenance.warning(every, doc["parameters"], ring_used="cp2: 3") is None
+    assert provenance.warning(every, parameters, ring_used="cp2: 3") is None
