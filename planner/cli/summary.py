@@ -32,6 +32,7 @@ def plan_summary(header: PlanHeader, out: str | Path, phases: dict[str, float]) 
     total = float(sum(phases.values()))
     bound = float(s["lower_bound_seconds"])
     drawn = d.num_samples * len(header.epochs)
+    mark, warning = provenance.of_header(header)
     files = [dict(f) for f in getattr(d, "files", ())] or [
         {"path": d.path, "format": d.format, "num_samples": d.num_samples,
          "num_tokens": d.num_tokens, "fingerprint": d.fingerprint, "group": 0}]
@@ -71,8 +72,8 @@ def plan_summary(header: PlanHeader, out: str | Path, phases: dict[str, float]) 
         # Where the cost model comes from and which terms were measured (planner/provenance.py),
         # and one line when a term that decides the plan is assumed (null: none is).
         "cost_model_provenance": header.cost_model.get("provenance"),
-        "cost_model_mark": provenance.of_header(header)[0],
-        "cost_model_warning": provenance.of_header(header)[1],
+        "cost_model_mark": mark,
+        "cost_model_warning": warning,
         # The predicted gain (planfile/gain.py): a baseline's simulated time over the plan's,
         # null where it is not scored or cannot run a step ("gain" says why).
         "vs_static_cp": s.get("vs_static_cp"),
