@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numba
 import numpy as np
@@ -36,6 +37,7 @@ from numpy.typing import NDArray
 
 from planner.fileguard import check_input
 from planner.groups import pad_multiple
+from planner.provenance import of_document
 
 PRESET_DIR = Path(__file__).with_name("presets")
 DEFAULT_PRESET = "dense-7b-h200"
@@ -61,6 +63,9 @@ class CostModel:
     description: str = ""
     forward_fraction: float = DEFAULT_FORWARD_FRACTION
     """Forward share of the per-token terms, used by ``forward_only`` (eval plans); in (0, 1]."""
+    provenance: dict[str, Any] = field(default_factory=dict)
+    """Where the parameters come from and which were measured (``planner.provenance``; set by
+    ``load_cost_model``); empty: unknown, and absent from the header."""
 
     def __post_init__(self) -> None:
         share = self.forward_fraction
@@ -80,10 +85,15 @@ class CostModel:
         d.pop("name")
         d.pop("description")
         d.pop("forward_fraction")
+        d.pop("provenance")
         return d
 
     def to_header(self) -> dict[str, object]:
-        return {"name": self.name, "parameters": self.parameters, "description": self.description}
+        out: dict[str, object] = {"name": self.name, "parameters": self.parameters,
+                                  "description": self.description}
+        if self.provenance:
+            out["provenance"] = dict(self.provenance)
+        return out
 
     def as_array(self) -> NDArray[np.float64]:
         """(a, b, cp_fixed, cp_token, microbatch) for numba kernels."""
@@ -99,7 +109,7 @@ class CostModel:
             cp_fixed_s=self.cp_fixed_s / 2, cp_token_s=self.cp_token_s * f,
             microbatch_s=self.microbatch_s, forward_fraction=1.0,
             description=f"forward only (forward_fraction {f:.6g}) of {self.name}: "
-                        f"{self.description}".rstrip(": "))
+                        f"{self.description}".rstrip(": "), provenance=self.provenance)
 
     def group_time(self, cp_size: int, padded: NDArray[np.integer] | list[int]) -> float:
         """Per-rank seconds of one group of size ``cp_size`` holding ``padded`` lengths."""
@@ -127,7 +137,7 @@ class CostModel:
                                                         DEFAULT_FORWARD_FRACTION))
         if not isinstance(fraction, (int, float)):
             raise ValueError(f"{source}: forward_fraction must be a number, got {fraction!r}")
-        values = {}
+        values: dict[str, Any] = {}  # (Any: mypy would match provenance too)
         for k, v in params.items():
             if k not in known:
                 continue
@@ -145,7 +155,8 @@ def load_cost_model(name_or_path: str = "default") -> CostModel:
     if name_or_path in ("", "default"):
         name_or_path = DEFAULT_PRESET
     path = Path(name_or_path)
-    if not path.suffix:
+    preset = not path.suffix
+    if preset:
         path = PRESET_DIR / f"{name_or_path}.json"
         if not path.is_file():
             names = sorted(p.stem for p in PRESET_DIR.glob("*.json"))
@@ -161,7 +172,9 @@ def load_cost_model(name_or_path: str = "default") -> CostModel:
         raise ValueError(f"{path}: cannot read cost model: {e}") from None
     if not isinstance(d, dict):
         raise ValueError(f"{path}: cost model must be a JSON object")
-    return CostModel.from_dict(d, source=str(path))
+    model = CostModel.from_dict(d, source=str(path))
+    origin = of_document(d, source=name_or_path if preset else str(path), preset=preset)
+    return replace(model, provenance=origin)
 
 
 @numba.njit(cache=True)
@@ -202,6 +215,56 @@ def _simulate(c: NDArray[np.float64], pool_size: int, mb: NDArray[np.int32],
         busy += t * kk
         i = j
     return finish.max(), busy
+
+
+@numba.njit(cache=True)
+def _terms(c: NDArray[np.float64], pool_size: int, mb: NDArray[np.int64],
+           start: NDArray[np.int64], k: NDArray[np.int64], padded: NDArray[np.int64],
+           real: NDArray[np.int64]) -> NDArray[np.float64]:
+    """(padding, ring, microbatch) seconds per rank of one step's rows: the rank-seconds of
+    each term summed over its groups, over N (``step_terms``)."""
+    out = np.zeros(3, dtype=np.float64)
+    ranks = 0
+    n = len(mb)
+    i = 0
+    while i < n:
+        j = i
+        s1 = 0.0
+        while j < n and mb[j] == mb[i] and start[j] == start[i]:
+            p = float(padded[j])
+            q = float(real[j])
+            s1 += p
+            # Padding is charged at the cost of the tokens it adds: a (P - L) + b (P^2 - L^2).
+            out[0] += c[0] * (p - q) + c[1] * (p * p - q * q)
+            j += 1
+        kk = k[i]
+        if kk > 1:
+            out[1] += kk * (kk - 1) * (c[2] + c[3] * s1 / kk)
+        ranks += kk
+        i = j
+    # Counted in ranks (an integer), so two layouts of as many microbatches give equal bits.
+    out[2] = ranks * c[4]
+    return out / pool_size
+
+
+def step_terms(cost: NDArray[np.float64], pool_size: int, microbatch: NDArray[np.integer],
+               rank_start: NDArray[np.integer], cp_size: NDArray[np.integer],
+               padded_tokens: NDArray[np.integer], num_tokens: NDArray[np.integer]
+               ) -> NDArray[np.float64]:
+    """A step's time split by the cost model's terms: (padding, ring, microbatch) seconds.
+
+    Each is the rank-seconds the term costs over the step's groups, over N: a group of size k
+    pays each term on its k ranks (``group_time``), so the step's total rank-seconds over N are
+    real compute + padding + ring + microbatch exactly. The critical path exceeds that mean by
+    the ranks' imbalance (idle time): ``simulate_step - (real + the three terms)``. Real
+    compute (a L + b L^2 of every segment) is the same for any layout of the same segments, so
+    the difference of two layouts' step times is the difference of these three terms plus the
+    difference of their imbalance (planfile/gain.py's parts).
+    """
+    return np.asarray(_terms(np.asarray(cost, np.float64), pool_size,
+                             np.asarray(microbatch, np.int64), np.asarray(rank_start, np.int64),
+                             np.asarray(cp_size, np.int64), np.asarray(padded_tokens, np.int64),
+                             np.asarray(num_tokens, np.int64)), dtype=np.float64)
 
 
 def group_seconds(cost: CostModel, cp_size: NDArray[np.integer], s1: NDArray[np.floating],

@@ -235,7 +235,7 @@ class PlanStream:
                     assert tuple(cols) == COLUMN_NAMES
                     self.stats.add(cols, jobs.tokens[jobs.bounds[j]:jobs.bounds[j + 1]],
                                    out.bound_seconds, out.simulated_seconds,
-                                   (out.static_seconds, out.megatron_seconds))
+                                   (out.static_seconds, out.megatron_seconds), out.terms)
                     yield cols
                 done = base + jobs.num_steps
         self._done = True

@@ -133,6 +133,10 @@ def test_planning_and_notebook_examples_run(checkout: Path) -> None:
     quoted = block("docs/planning.md", "Making a plan", "", 0).strip().splitlines()
     shown = [line for line in out.splitlines() if line.startswith(("gain ", "   "))]
     assert quoted == [line for line in shown if line.strip()][:len(quoted)]
+    # The provenance lines and the `show --gain` breakdown the page quotes are printed as such.
+    for index in (1, 2):
+        quoted = block("docs/planning.md", "Making a plan", "", index).strip().splitlines()
+        assert set(quoted) <= set(out.splitlines()), (index, out)
     code = block("docs/planning.md", "Reading a plan in a notebook", "python")
     result = subprocess.run([sys.executable, "-c", code], cwd=checkout, capture_output=True,
                             text=True, timeout=300, env={**os.environ, "MPLBACKEND": "Agg"})

@@ -139,6 +139,17 @@ def cmd_compare(argv: list[str]) -> int:
         raise ValueError("no setup can plan this dataset:\n  " + "\n  ".join(
             f"{_name(s)}: {why}" for s, why in reasons))
     doc = _document(table, args, cost.name, results, reasons, time.perf_counter() - t0)
+    # The cost model's provenance and, when a deciding term is assumed, the warning
+    # (planner/provenance.py): the ring terms decide wherever CP > 1 runs, here static CP at
+    # a listed cp > 1 and a dynamic plan of a pool > 1.
+    from planner import provenance
+
+    ring = [f"static CP {c}" for c in args.cp if c > 1] + (
+        ["dynamic plans of pools > 1"] if any(r.setup.pool_size > 1 for r in results) else [])
+    doc["cost_model_provenance"] = cost.provenance
+    doc["cost_model_mark"] = provenance.mark(cost.name, cost.provenance)
+    doc["cost_model_warning"] = provenance.warning(cost.provenance, cost.parameters,
+                                                   ring_used=", ".join(ring))
     if args.figure:
         from planner.fileguard import write_atomic
         from planner.notebook.plotcompare import compare_figure
@@ -231,5 +242,8 @@ def _text(doc: dict[str, Any]) -> str:
     lines.append(f"per GPU   pool {thrifty['pool_size']}, cap "
                  f"{thrifty['capacity_tokens_per_rank']:,}: "
                  f"{thrifty['tokens_per_second_per_gpu']:,.0f} tokens/s per GPU")
+    lines.append(f"cost      {doc['cost_model_mark']}")
+    if doc["cost_model_warning"]:
+        lines.append(f"warning   {doc['cost_model_warning']}")
     lines.append(f"took      {doc['seconds']:.1f} s")
     return "\n".join(lines)

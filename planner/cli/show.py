@@ -1,12 +1,16 @@
-"""`dcp-plan show PLAN [--steps A:B | --step I] [--json]`: a plan's per-step table, or one step.
+"""`dcp-plan show PLAN [--steps A:B | --step I | --gain] [--json]`: a plan's per-step table, one
+step, or its predicted gain broken down.
 
-``--steps`` is a Python slice of the steps (``-3:`` is the last three); the plan is validated
-(checksums and every invariant) before any number is printed.
+``--steps`` is a Python slice of the steps (``-3:`` is the last three); ``--gain`` splits the gain
+over each baseline into its parts (planfile/gain.py: ring traffic, load balance, microbatches,
+padding). Every view ends with the cost model's provenance (planner/provenance.py). The plan is
+validated (checksums and every invariant) before any number is printed.
 """
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from planner.cli.args import (
     ArgumentParser,
@@ -32,8 +36,15 @@ def cmd_show(argv: list[str]) -> int:
                    "'-3' could be either) (default: the first 50)")
     p.add_argument("--step", type=int, metavar="I",
                    help="print every row of this one step (-1: the last)")
-    p.add_argument("--json", action="store_true", help="one JSON object per step (JSON lines)")
+    p.add_argument("--gain", action="store_true",
+                   help="the predicted gain over each baseline split into its parts: ring "
+                   "traffic avoided, load balance across ranks, fewer microbatches, less "
+                   "padding (they add up to the whole)")
+    p.add_argument("--json", action="store_true", help="one JSON object per step (JSON lines); "
+                   "with --gain, the breakdown as one JSON object")
     args = p.parse_args(glue_negative_values(argv, ("--steps", "--step")))
+    if args.gain and (args.step is not None or args.steps is not None):
+        p.error("--gain shows the whole plan: give it without --step / --steps")
     from planner.notebook.view import read_plan, step_summary_row
     from planner.planfile.validate import validate
 
@@ -42,6 +53,8 @@ def cmd_show(argv: list[str]) -> int:
     n = view.num_steps
     # Never show numbers from a damaged or invalid plan: checksums and every invariant first.
     validate(h, view._file, source=args.plan)
+    if args.gain:
+        return _show_gain(h, n, as_json=args.json)
     if args.step is not None:
         if not -n <= args.step < n:
             raise ValueError(f"--step {args.step} is out of range; the plan has {n} steps "
@@ -78,6 +91,34 @@ def cmd_show(argv: list[str]) -> int:
     # where the plan has none; these lines say why).
     for line in gain_text(h.stats, h.parallel.cp):
         print(f"gain: {line}")
+    _print_cost(h)
+    return 0
+
+
+def _print_cost(header: Any) -> None:
+    """The cost model's mark, and the warning when a deciding term is assumed."""
+    from planner.provenance import of_header
+
+    mark, warning = of_header(header)
+    print(f"cost: {mark}")
+    if warning:
+        print(f"warning: {warning}")
+
+
+def _show_gain(header: Any, num_steps: int, *, as_json: bool) -> int:
+    from planner.planfile.gain import breakdown, breakdown_text
+    from planner.provenance import of_header
+
+    if as_json:
+        mark, warning = of_header(header)
+        print(json.dumps({"gain": breakdown(header.stats, header.parallel.cp),
+                          "cost_model": mark, "warning": warning}, sort_keys=True))
+        return 0
+    for line in breakdown_text(header.stats, header.parallel.cp, num_steps):
+        print(line)
+    print("(per part: the baseline's extra seconds and their share of the plan's time, which "
+          "add up to the ratio less 1; load balance is the rest: the ranks' idle time)")
+    _print_cost(header)
     return 0
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from planner import provenance
 from planner.planfile.gain import describe, gain_text
 from planner.planfile.schema import PlanHeader, describe_launch
 
@@ -31,6 +32,7 @@ def plan_summary(header: PlanHeader, out: str | Path, phases: dict[str, float]) 
     total = float(sum(phases.values()))
     bound = float(s["lower_bound_seconds"])
     drawn = d.num_samples * len(header.epochs)
+    mark, warning = provenance.of_header(header)
     files = [dict(f) for f in getattr(d, "files", ())] or [
         {"path": d.path, "format": d.format, "num_samples": d.num_samples,
          "num_tokens": d.num_tokens, "fingerprint": d.fingerprint, "group": 0}]
@@ -67,6 +69,11 @@ def plan_summary(header: PlanHeader, out: str | Path, phases: dict[str, float]) 
         "lower_bound_seconds": bound,
         "time_over_bound": float(s["simulated_seconds"]) / max(bound, 1e-12),
         "cost_model": str(header.cost_model.get("name")),
+        # Where the cost model comes from and which terms were measured (planner/provenance.py),
+        # and one line when a term that decides the plan is assumed (null: none is).
+        "cost_model_provenance": header.cost_model.get("provenance"),
+        "cost_model_mark": mark,
+        "cost_model_warning": warning,
         # The predicted gain (planfile/gain.py): a baseline's simulated time over the plan's,
         # null where it is not scored or cannot run a step ("gain" says why).
         "vs_static_cp": s.get("vs_static_cp"),
@@ -165,8 +172,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"time      {s['simulated_seconds']:.2f} s simulated vs lower bound "
         f"{s['lower_bound_seconds']:.2f} s ({s['time_over_bound']:.3f}x) [{s['cost_model']}]",
     ]
+    lines.append(f"cost      {s['cost_model_mark']}")
     for i, line in enumerate(s["gain_text"]):
         lines.append(("gain      " if i == 0 else "          ") + line)
+    if s.get("cost_model_warning"):
+        lines.append(f"warning   {s['cost_model_warning']}")
     policy = [f"{s[k]} {k.split('_')[0]}" for k in
               ("split_samples", "truncated_samples", "dropped_samples") if s[k]]
     if s["skipped_bad_records"]:

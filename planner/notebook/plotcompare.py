@@ -44,7 +44,7 @@ def plot_compare(doc: dict[str, Any]) -> Any:
     sampled = (f"{doc['sampled_steps']} sampled of {doc['num_steps']:,} steps" if doc["sampled"]
                else f"all {doc['num_steps']:,} steps")
     fig.suptitle(f"{doc['dataset']['path']}: global batch {doc['global_batch']}\n{sampled}, "
-                 f"cost model {doc['cost_model']}", fontsize=9)
+                 f"cost model {doc.get('cost_model_mark', doc['cost_model'])}", fontsize=9)
     axes[0].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=8)
     per_gpu = np.array([r["tokens_per_second_per_gpu"] for r in rows])
     axes[1].bar(x, per_gpu, color="C2", label="tokens/s per GPU")

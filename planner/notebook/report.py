@@ -3,11 +3,12 @@
 The page needs nothing but itself: inline CSS, figures as inline SVG (matplotlib, text kept as
 text so the page's words are searchable and the figures scale), no script, no font, no link
 out. Sections: the predicted gain (planfile/gain.py: the number per baseline and its per-step
-quantiles, or why there is none), the summary (the same figures as ``dcp-plan``'s), then the
-figures over steps (time against the lower bound, the gain, the CP-size mix, padding,
-microbatches) and the slowest step's schedule. Per-step figures are binned past
-``plot.MAX_BARS`` steps (notebook/plot.py), so 32 steps and 20,000 read alike. No clock or
-host name goes in, so the same plan gives the same page.
+quantiles, or why there is none; its parts; the cost model's provenance and, when a deciding
+term is assumed, the warning: planner/provenance.py), the summary (the same figures as
+``dcp-plan``'s), then the figures over steps (time against the lower bound, the gain, the
+CP-size mix, padding, microbatches) and the slowest step's schedule. Per-step figures are
+binned past ``plot.MAX_BARS`` steps (notebook/plot.py), so 32 steps and 20,000 read alike. No
+clock or host name goes in, so the same plan gives the same page.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from planner.planfile.gain import QUANTILES, describe, gain_text
+from planner.planfile.gain import PARTS, QUANTILES, breakdown, describe, gain_text
 from planner.planfile.schema import PlanHeader
 
 if TYPE_CHECKING:
@@ -137,15 +138,47 @@ def _gain_cards(header: PlanHeader) -> str:
     return "<div class='gain'>" + "".join(cards) + "</div>"
 
 
+def _parts_table(header: PlanHeader) -> str:
+    """The gain's parts per baseline (planfile/gain.py): seconds and share of the plan's time."""
+    e = html.escape
+    rows = []
+    for name, d in breakdown(header.stats, header.parallel.cp).items():
+        if "parts" not in d:
+            rows.append(f"<tr><th>{e(d['label'])}</th><td colspan='6' class='note'>"
+                        f"{e(str(d['note']))}</td></tr>")
+            continue
+        cells = "".join(f"<td>{p['seconds']:+.3f} s ({p['share']:+.3f}x)</td>"
+                        for p in d["parts"].values())
+        extra = d["baseline_seconds"] - d["plan_seconds"]
+        rows.append(f"<tr id='parts-{name}'><th>{e(d['label'])}</th><td>{d['ratio']:.3f}x over "
+                    f"{d['steps']} steps</td>{cells}<td>{extra:+.3f} s "
+                    f"({d['ratio'] - 1:+.3f}x)</td></tr>")
+    head = "".join(f"<th>{e(label)}</th>" for label in
+                   ("baseline", "ratio", *PARTS.values(), "total"))
+    return (f"<table id='gain-parts'><tr>{head}</tr>" + "".join(rows) + "</table>"
+            "<p><small>Each part: the baseline's extra simulated seconds there and their share "
+            "of the plan's time (the parts add up to the ratio less 1); load balance is the "
+            "ranks' idle time, the rest of the difference.</small></p>")
+
+
+def _cost_mark(header: PlanHeader) -> str:
+    from planner.provenance import of_header
+
+    mark, warning = of_header(header)
+    e = html.escape
+    return (f"<p id='cost-model'>Cost model {e(mark)}</p>"
+            + (f"<p class='note' id='cost-warning'>Warning: {e(warning)}</p>" if warning else ""))
+
+
 def _summary_table(view: PlanView) -> str:
     h, s = view.header, view.header.stats
     rows = dict(view._figures())
     rows["padding"] = (f"{100 * s['padding_overhead']:.3f}% of real tokens (alignment "
                        f"{100 * s['alignment_padding']:.3f}%)")
     rows["lower bound"] = f"{s['lower_bound_seconds']:.3f} s"
-    rows["cost model"] = str(h.cost_model.get("name"))
     rows["kind"] = h.kind
     rows.pop("gain", None)
+    rows.pop("warning", None)  # shown under the gain
     return "<table>" + "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td>"
                                "</tr>" for k, v in rows.items()) + "</table>"
 
@@ -167,7 +200,7 @@ def render_report(view: PlanView) -> str:
         f"the plan's cost model ({e(str(header.cost_model.get('name')))}).</p>",
         "<h2 id='gain'>Predicted gain</h2>",
         "<p>" + "<br>".join(e(line) for line in gain_text(header.stats, header.parallel.cp))
-        + "</p>", _gain_cards(header),
+        + "</p>", _cost_mark(header), _gain_cards(header), _parts_table(header),
         "<h2 id='summary'>Summary</h2>", _summary_table(view),
     ]
     for key, title, caption in FIGURES:

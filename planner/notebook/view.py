@@ -133,6 +133,7 @@ class PlanView:
             "time": f"{s['simulated_seconds']:.3f} s simulated, {ratio:.3f}x the lower bound "
                     f"[{h.cost_model.get('name')}]",
             "gain": "; ".join(gain_text(s, p.cp)),
+            **_cost_rows(h),
             "format": str(h.format_version),
         }
 
@@ -217,3 +218,11 @@ class PlanView:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _cost_rows(header: PlanHeader) -> dict[str, str]:
+    """The cost model's mark, and its warning when a deciding term is assumed (provenance.py)."""
+    from planner.provenance import of_header
+
+    mark, warning = of_header(header)
+    return {"cost model": mark, **({"warning": warning} if warning else {})}

@@ -10,7 +10,16 @@ header stats are summed, and ``result`` gives the header's keys (docs/PLAN_FORMA
   (``infeasible_steps``);
 - ``baselines.<name>``: ``seconds`` (its total), ``quantiles`` of the per-step ratio (min, p05,
   p25, p50, p75, p95, max) and ``per_step``, every step's ratio rounded to 4 decimals (null on
-  a step it cannot run): what the notebook's per-step columns and the plots read.
+  a step it cannot run): what the notebook's per-step columns and the plots read;
+- ``baselines.<name>.parts``: the seconds the baseline spends beyond the plan, split by what
+  they are (``PARTS``), over the steps it can run (``parts_of``: their count, the plan's and
+  the baseline's seconds on them). Per step, from ``cost.step_terms`` of both layouts:
+  ``ring`` = ring rank-seconds / N avoided, ``microbatches`` = microbatch rank-seconds / N
+  (fewer microbatches), ``padding`` = padded-token compute / N, and ``balance`` = the rest of
+  the step-time difference: the critical path's excess over the mean rank's work (idle ranks),
+  since real compute is the same for both. So the four sum to baseline - plan seconds exactly
+  (to float rounding); a part may be negative where the plan spends there to save more
+  elsewhere.
 
 ``describe`` reads those keys from any header (older plans have none: "not recorded") into
 one shape that every reader (summary, show, notebook, report) renders.
@@ -32,6 +41,11 @@ DIGITS = 4
 """Per-step ratios and quantiles are rounded to this many decimals (the header stays small:
 about 7 bytes a step and baseline)."""
 NOT_RECORDED = "not recorded: the plan was made before dcp-plan recorded the predicted gain"
+PARTS = {"ring": "ring traffic avoided", "balance": "load balance across ranks",
+         "microbatches": "fewer microbatches", "padding": "less padding"}
+"""The gain's parts (module docstring), in the order texts list them."""
+PARTS_NOT_RECORDED = ("parts not recorded: the plan was made before dcp-plan split the gain "
+                      "into its parts")
 
 
 class GainAccumulator:
@@ -43,18 +57,35 @@ class GainAccumulator:
         self.plan = 0.0
         self.total = {name: 0.0 for name in KEYS}
         self.ratios: dict[str, list[float | None]] = {name: [] for name in KEYS}
+        self.parts = {name: dict.fromkeys(PARTS, 0.0) for name in KEYS}
+        self.parts_plan = dict.fromkeys(KEYS, 0.0)
+        self.with_parts = True
 
-    def add(self, seconds: float, static_seconds: float, megatron_seconds: float) -> None:
+    def add(self, seconds: float, static_seconds: float, megatron_seconds: float, *,
+            terms: np.ndarray | None = None) -> None:
         """One step: the plan's simulated seconds and each baseline's (nan: not scored, inf:
-        the baseline cannot run the step)."""
+        the baseline cannot run the step); ``terms``: the step's (3, 3) ``cost.step_terms`` of
+        the plan's rows and each baseline's (``StepAssignment.terms``), for the parts."""
         self.plan += seconds
-        for name, t in ((STATIC, static_seconds), (MEGATRON, megatron_seconds)):
+        if terms is None:
+            self.with_parts = False
+        for row, (name, t) in enumerate(((STATIC, static_seconds),
+                                         (MEGATRON, megatron_seconds)), start=1):
             if name in self.not_scored or np.isnan(t):
                 continue
             if np.isinf(t):
                 self.ratios[name].append(None)
                 continue
             self.total[name] += t
+            if terms is not None:
+                parts = self.parts[name]
+                pad, ring, micro = (float(x) for x in terms[row] - terms[0])
+                parts["ring"] += ring
+                parts["microbatches"] += micro
+                parts["padding"] += pad
+                # The rest is imbalance: real compute is the same for both (cost.step_terms).
+                parts["balance"] += (t - seconds) - (pad + ring + micro)
+                self.parts_plan[name] += seconds
             ratio = t / seconds if seconds > 0 else 1.0
             self.ratios[name].append(round(ratio, DIGITS))
 
@@ -81,6 +112,11 @@ class GainAccumulator:
                               for q, p in QUANTILES} if len(feasible) else None,
                 "per_step": per_step,
             })
+            if self.with_parts and len(feasible):
+                info["parts"] = dict(self.parts[name])
+                info["parts_of"] = {"steps": int(len(feasible)),
+                                    "plan_seconds": self.parts_plan[name],
+                                    "baseline_seconds": self.total[name]}
             baselines[name] = info
         out["baselines"] = baselines
         return out
@@ -134,6 +170,72 @@ def gain_text(stats: dict[str, Any], cp: int) -> list[str]:
     return lines
 
 
+def breakdown(stats: dict[str, Any], cp: int) -> dict[str, dict[str, Any]]:
+    """Per baseline: ``label``, ``note`` (why there are no parts, or None) and, with parts,
+    ``steps``, ``plan_seconds``, ``baseline_seconds``, ``ratio`` (over those steps) and
+    ``parts``: per ``PARTS`` key its ``label``, ``seconds`` and ``share`` (seconds over the
+    plan's: the shares sum to ratio - 1)."""
+    out = {}
+    for name, d in describe(stats, cp).items():
+        info = (stats.get("baselines") or {}).get(name, {})
+        parts, basis = info.get("parts"), info.get("parts_of")
+        # No parts: why there is no gain at all, or (a gain without them) an older plan.
+        unscored = stats.get("baselines") is None or "not_scored" in info
+        entry: dict[str, Any] = {"label": d["label"],
+                                 "note": d["note"] if unscored else PARTS_NOT_RECORDED}
+        if parts and basis:  # also when it cannot run some steps: the parts are of the others
+            plan = float(basis["plan_seconds"])
+            entry.update({
+                "note": None,
+                "steps": int(basis["steps"]), "plan_seconds": plan,
+                "baseline_seconds": float(basis["baseline_seconds"]),
+                "ratio": float(basis["baseline_seconds"]) / plan if plan > 0 else 1.0,
+                "parts": {k: {"label": label, "seconds": float(parts[k]),
+                              "share": float(parts[k]) / plan if plan > 0 else 0.0}
+                          for k, label in PARTS.items()}})
+        out[name] = entry
+    return out
+
+
+def breakdown_text(stats: dict[str, Any], cp: int, num_steps: int) -> list[str]:
+    """``dcp-plan show --gain``: per baseline a line with its ratio, then one per part (its
+    seconds, and its share of the plan's time: the shares add up to the ratio less 1)."""
+    lines = []
+    for d in breakdown(stats, cp).values():
+        if "parts" not in d:
+            lines.append(f"{d['label']}: {d['note']}")
+            continue
+        over = (f"over all {num_steps} steps" if d["steps"] == num_steps else
+                f"over the {d['steps']} of {num_steps} steps it can run")
+        extra = d["baseline_seconds"] - d["plan_seconds"]
+        lines.append(f"{d['label']}: {d['ratio']:.3f}x {over}: {d['baseline_seconds']:.3f} s "
+                     f"against the plan's {d['plan_seconds']:.3f} s ({extra:+.3f} s)")
+        for part in d["parts"].values():
+            lines.append(f"  {part['label']:<27} {part['seconds']:+10.3f} s "
+                         f"{part['share']:+8.3f}x")
+        lines.append(f"  {'total':<27} {extra:+10.3f} s {d['ratio'] - 1:+8.3f}x "
+                     f"(= {d['ratio']:.3f}x - 1)")
+    return lines
+
+
+def _parts_errors(name: str, info: dict[str, Any]) -> list[str]:
+    """The parts' shape, and that they add up to the baseline's seconds less the plan's."""
+    parts, basis = info["parts"], info.get("parts_of")
+    if not (isinstance(parts, dict) and set(parts) == set(PARTS)
+            and all(type(v) in (int, float) for v in parts.values())
+            and isinstance(basis, dict)
+            and all(type(basis.get(k)) in (int, float)
+                    for k in ("steps", "plan_seconds", "baseline_seconds"))):
+        return [f"header: stats baselines.{name}.parts must hold numbers {', '.join(PARTS)} "
+                "and parts_of steps, plan_seconds and baseline_seconds"]
+    whole = float(basis["baseline_seconds"]) - float(basis["plan_seconds"])
+    total = float(sum(parts.values()))
+    if abs(total - whole) > 1e-6 * max(abs(float(basis["baseline_seconds"])), 1e-9):
+        return [f"header: stats baselines.{name}.parts sum to {total!r} s, not the baseline's "
+                f"seconds less the plan's ({whole!r} s)"]
+    return []
+
+
 def gain_errors(stats: dict[str, Any], num_steps: int) -> list[str]:
     """What is wrong with the gain keys' shape (``validate``; the values themselves depend on
     the drawn order, which the rows do not keep). Absent keys (older plans) are fine."""
@@ -161,4 +263,6 @@ def gain_errors(stats: dict[str, Any], num_steps: int) -> list[str]:
         elif (total is None) != (None in per) or (
                 total is not None and not (isinstance(total, (int, float)) and total >= 1.0)):
             out.append(f"header: stats {key} {total!r} does not match its per-step ratios")
+        elif "parts" in info:
+            out += _parts_errors(name, info)
     return out

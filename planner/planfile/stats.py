@@ -99,13 +99,15 @@ class StatsAccumulator:
 
     def add(self, cols: dict[str, NDArray[Any]], seg: NDArray[np.int64],
             tight_bound: float | None = None, simulated: float | None = None,
-            baselines: tuple[float, float] | None = None) -> None:
+            baselines: tuple[float, float] | None = None,
+            terms: NDArray[np.float64] | None = None) -> None:
         """One step: its 8 plan columns, its segments' lengths and its tight bound.
 
         ``simulated``: the step's ``cost.simulate_step`` when the caller has it already (the
         solver scores its rows with it), so that it is not simulated twice. ``baselines``:
         static CP's and Megatron's simulated seconds on the step (``StepAssignment``), given
-        for every step or none; the stats then hold the predicted gain.
+        for every step or none; the stats then hold the predicted gain. ``terms``: the step's
+        ``StepAssignment.terms``, for the gain's parts (gain.py).
         """
         config, cost = self.config, self.cost
         n = config.parallel.pool_size
@@ -119,7 +121,7 @@ class StatsAccumulator:
         if baselines is not None:
             if self.gain is None:
                 self.gain = GainAccumulator(baselines_not_scored(config), config.parallel.cp)
-            self.gain.add(t, *baselines)
+            self.gain.add(t, *baselines, terms=terms)
         if tight_bound is not None:
             self.tight += tight_bound
             if tight_bound > 0:

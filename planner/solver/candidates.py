@@ -29,7 +29,7 @@ from typing import NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
-from planner.cost import _simulate
+from planner.cost import _simulate, step_terms
 from planner.groups import MAX_SEGMENT_TOKENS, pad_multiple
 from planner.solver.megatron import megatron_arrays, megatron_padded
 from planner.solver.static_cp import padded_lengths, static_layout
@@ -82,6 +82,14 @@ class Layout(NamedTuple):
                          self.rank_start.astype(np.int32), self.cp_size.astype(np.int32),
                          self.padded.astype(np.int32))
         return float(t)
+
+    def terms(self, cost: NDArray[np.float64], pool_size: int,
+              tokens: NDArray[np.int64]) -> NDArray[np.float64]:
+        """``cost.step_terms`` of this layout (fillers hold no real tokens)."""
+        real = np.where(self.position >= 0, tokens[np.maximum(self.position, 0)], 0) \
+            if len(tokens) else np.zeros(len(self.position), np.int64)
+        return step_terms(cost, pool_size, self.microbatch, self.rank_start, self.cp_size,
+                          self.padded, real)
 
     def key(self, seconds: float, rank: int) -> tuple[float, int, int, int]:
         """The candidates' order: time, microbatches, padding, then ours before the baselines."""
@@ -166,6 +174,9 @@ class Scored(NamedTuple):
     seconds: float
     static_seconds: float
     megatron_seconds: float
+    terms: NDArray[np.float64]
+    """(3, 3): rows the winner's, static CP's and Megatron's ``cost.step_terms`` (padding,
+    ring, microbatch seconds); nan where a baseline is not scored or cannot run the step."""
 
 
 def best_rows(ours: Rows, sample: NDArray[np.int64], offset: NDArray[np.int64],
@@ -183,6 +194,9 @@ def best_rows(ours: Rows, sample: NDArray[np.int64], offset: NDArray[np.int64],
     best: Layout | None = None
     name = OURS
     times = [NOT_SCORED, NOT_SCORED]
+    terms = np.full((3, 3), np.nan)
+    terms[0] = step_terms(cost, pool_size, ours.microbatch, ours.rank_start, ours.cp_size,
+                          ours.padded_tokens, ours.num_tokens)
     for rank, label in ((1, STATIC), (2, MEGATRON)):
         if label == STATIC:
             if not static_cp:
@@ -199,9 +213,11 @@ def best_rows(ours: Rows, sample: NDArray[np.int64], offset: NDArray[np.int64],
             times[rank - 1] = INFEASIBLE
             continue
         times[rank - 1] = t = cand.seconds(cost, pool_size)
+        terms[rank] = cand.terms(cost, pool_size, tokens)
         k = cand.key(t, rank)
         if k < key:
             best, name, key = cand, label, k
+            terms[0] = terms[rank]
     rows = ours if best is None else best.rows(sample, offset, tokens)
     return Scored(rows=rows, source=name, seconds=key[0], static_seconds=times[0],
-                  megatron_seconds=times[1])
+                  megatron_seconds=times[1], terms=terms)

@@ -83,6 +83,9 @@ class StepAssignment:
     """Static CP's simulated seconds on this step (nan: not scored, inf: it cannot run it)."""
     megatron_seconds: float
     """Megatron's greedy's simulated seconds on this step (nan: not scored, inf: cannot)."""
+    terms: NDArray[np.float64]
+    """(3, 3) ``cost.step_terms`` of these rows, static CP's and Megatron's (candidates.py's
+    ``Scored.terms``): the predicted gain's parts (planfile/gain.py)."""
     microbatch: NDArray[np.int32]
     rank_start: NDArray[np.int32]
     cp_size: NDArray[np.int32]
@@ -225,7 +228,8 @@ def assign_step(sample_index: NDArray[np.int64], token_offset: NDArray[np.int64]
                           simulated_seconds=scored.seconds, predicted_seconds=best.seconds,
                           bound_seconds=bound, source=scored.source,
                           static_seconds=scored.static_seconds,
-                          megatron_seconds=scored.megatron_seconds, microbatch=rows.microbatch,
+                          megatron_seconds=scored.megatron_seconds, terms=scored.terms,
+                          microbatch=rows.microbatch,
                           rank_start=rows.rank_start, cp_size=rows.cp_size,
                           sample_index=rows.sample_index, token_offset=rows.token_offset,
                           num_tokens=rows.num_tokens, padded_tokens=rows.padded_tokens)

@@ -1,8 +1,9 @@
 """``dcp-calibrate``: measure the planner's cost model on this machine for one model shape.
 
 Writes the JSON that ``dcp-plan --cost-model FILE`` reads (the schema of planner/presets/*.json:
-name, description, parameters) plus a ``measured`` block: the raw timings, the machine, the torch
-version, the model shape, dtype, attention backend and the fit's residuals.
+name, description, parameters) plus a ``measured`` block: the raw timings, the machine, the day
+(UTC), the torch version, the model shape, dtype, attention backend and the fit's residuals. A
+plan made with it says ``calibrated on <machine> <day>`` (planner/provenance.py).
 
 Method. The GPT of runtime/train/model.py with the given shape runs single packed (THD)
 microbatches of

@@ -230,6 +230,9 @@ def calibrate(cfg: CalibrateConfig, model_config: GPTConfig) -> Calibration:
                          description=_description(cfg, model_config, attention, device))
     measured = {
         "format": FORMAT,
+        # The day it was measured (UTC): plans planned with this model say "calibrated on
+        # <device> <date>" (planner/provenance.py).
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "machine": _machine(device),
         "device": cfg.device,
         "world_size": world_size,

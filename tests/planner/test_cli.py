@@ -45,7 +45,9 @@ def test_plan_summary_validate_show(tmp_path: Path, capsys: pytest.CaptureFixtur
     per_step = stats["baselines"]["static-cp"]["per_step"]
     assert [float(x.split()[8]) for x in lines[1:4]] == per_step[:3]
     assert lines[4].startswith("... 17 more steps")
-    assert [x.split(" (")[0] for x in lines[5:]] == [f"gain: {g.split(' (')[0]}" for g in gain]
+    assert [x.split(" (")[0] for x in lines[5:7]] == [f"gain: {g.split(' (')[0]}" for g in gain]
+    assert lines[7] == "cost: dense-7b-h200: preset (estimate); all 5 terms assumed"
+    assert lines[8].startswith("warning: the cost model is an estimate")
     assert main([str(SAMPLE), "-o", str(out), *base, "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["vs_static_cp"] == stats["vs_static_cp"] >= 1.0

@@ -246,6 +246,9 @@ def test_console_script_flushes_before_its_fast_exit(tmp_path: Path) -> None:
     assert json.loads(out.stdout)["num_steps"] == 20
     shown = _run([str(BIN / "dcp-plan"), "show", str(plan), "--steps", ":"])
     assert shown.returncode == 0, shown.stderr
-    rows = [line for line in shown.stdout.splitlines() if not line.startswith("gain: ")]
+    rows = [line for line in shown.stdout.splitlines()
+            if not line.startswith(("gain: ", "cost: ", "warning: "))]
     assert rows[-1].split()[0] == "19"   # the last step's row
-    assert shown.stdout.splitlines()[-1].startswith("gain: ")   # then the predicted gain
+    # then the predicted gain, the cost model's mark and (a preset: an estimate) its warning
+    assert [line.split(":")[0] for line in shown.stdout.splitlines()[-4:]] == [
+        "gain", "gain", "cost", "warning"]

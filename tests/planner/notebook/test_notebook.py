@@ -76,7 +76,8 @@ def test_old_plans_say_the_gain_was_not_recorded(capsys: pytest.CaptureFixture[s
     assert "not recorded" in view._repr_html_()
     assert main(["show", str(golden[0]), "--steps", "0:2"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[-1].startswith("gain: not recorded")
+    assert out[-2].startswith("gain: not recorded")
+    assert out[-1].startswith("cost: dense-7b-h200: provenance not recorded")
     assert out[1].split()[8:10] == ["-", "-"]     # vs_static_cp, vs_megatron of step 0
 
 

@@ -67,6 +67,10 @@ def _check_page(page: Path, dom: str, pixels: np.ndarray, stats: dict) -> None: 
         assert title in text, title
     for section in ("Predicted gain", "Summary"):
         assert section in text
+    # The gain's parts and the cost model's mark (issue 33), as rendered.
+    for label in ("ring traffic avoided", "load balance across ranks", "fewer microbatches",
+                  "less padding", "Cost model dense-7b-h200: preset (estimate)"):
+        assert label in text, label
     for key, label in (("vs_static_cp", "static CP"), ("vs_megatron", "Megatron's greedy")):
         if stats[key] is not None:
             assert f"{stats[key]:.3f}x" in text, key

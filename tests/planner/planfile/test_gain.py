@@ -50,6 +50,9 @@ def test_text_gives_a_number_a_partial_view_or_the_reason() -> None:
     (lambda b: b["static-cp"]["per_step"].pop(), "per_step holds 3 steps, the plan has 4"),
     (lambda b: b["megatron-greedy"]["per_step"].__setitem__(0, 0.5), "a ratio below 1"),
     (lambda b: b.pop("megatron-greedy"), "no 'megatron-greedy' entry"),
+    (lambda b: b["static-cp"]["parts"].__setitem__("ring", b["static-cp"]["parts"]["ring"] + 1),
+     "parts sum to .* not the baseline's seconds less the plan's"),
+    (lambda b: b["megatron-greedy"]["parts"].pop("padding"), "parts must hold numbers"),
 ])
 def test_validate_refuses_a_gain_of_the_wrong_shape(edit: Callable[[dict[str, Any]], object],
                                                     message: str) -> None:
