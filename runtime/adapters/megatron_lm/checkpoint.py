@@ -51,7 +51,8 @@ def tracked_iteration(root: str, ckpt_step: int | None = None) -> int | None:
     tracker = os.path.join(root, TRACKER)
     if not os.path.isfile(tracker):
         return None
-    text = open(tracker, encoding="utf-8").read().strip()
+    with open(tracker, encoding="utf-8") as f:
+        text = f.read().strip()
     if text == "release":
         return 0
     try:
@@ -73,7 +74,8 @@ def check_load(root: str, reader: PlanReader, *, ckpt_step: int | None = None,
                          "it was not saved through the plan launcher, so the plan step it "
                          "stopped at is unknown (start from its weights with --finetune)")
     try:
-        saved = json.loads(open(path, encoding="utf-8").read())
+        with open(path, encoding="utf-8") as f:
+            saved = json.loads(f.read())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: unreadable plan record: {e}") from None
     mine = record(reader)

@@ -189,14 +189,14 @@ class Launcher:
             bound = mlm.bind_pretrain(a, kw, original)
             bound.arguments["train_valid_test_dataset_provider"] = self._datasets_provider()
             bound.arguments["forward_step_func"] = self.session.forward_step
-            hook_args = dict(on_cpu=self.on_cpu, init_seed=self.options.init_seed)
             cfg = mlm.pretrain_argument(bound, "cfg_container")
             provider = mlm.pretrain_argument(bound, "model_provider")
             if provider is not None:
                 bound.arguments["model_provider"] = model.wrap_provider(
-                    provider, mlm.get_args, **hook_args)
+                    provider, mlm.get_args, on_cpu=self.on_cpu, init_seed=self.options.init_seed)
             elif cfg is not None and getattr(cfg, "model", None) is not None:
-                cfg.model.pre_wrap_hooks.append(model.pre_wrap_hook(mlm.get_args, **hook_args))
+                cfg.model.pre_wrap_hooks.append(model.pre_wrap_hook(
+                    mlm.get_args, on_cpu=self.on_cpu, init_seed=self.options.init_seed))
             else:
                 raise ValueError("pretrain() was given neither a model provider nor a config "
                                  "container with a model")

@@ -78,11 +78,15 @@ with warnings.catch_warnings():
 training_common_utils: types.ModuleType | None = sys.modules.get(
     "megatron.training.utils.common_utils")
 """0.19's ``megatron/training/utils/common_utils.py`` (a package there; a module before)."""
-dist_utils: types.ModuleType | None
-try:
-    from megatron.training.models import dist_utils
-except ImportError:  # before 0.19: no config-container model builder
-    dist_utils = None
+dist_utils: types.ModuleType | None = sys.modules.get("megatron.training.models.dist_utils")
+"""0.19's config-container model builder (absent before: the script's model provider)."""
+if dist_utils is None:
+    import importlib
+
+    try:
+        dist_utils = importlib.import_module("megatron.training.models.dist_utils")
+    except ImportError:
+        dist_utils = None
 
 
 def no_compile_helpers() -> None:

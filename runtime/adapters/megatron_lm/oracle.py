@@ -110,6 +110,7 @@ def _train(options: LauncherOptions, args: Any, data_path: list[str]) -> None:
     from runtime.dist.topology import Topology
     from runtime.train.config import TrainConfig
     from runtime.train.oracle import reference_eval, reference_step
+    from runtime.train.runlog import EvalLog, StepLog
 
     a: Any = args
     problems = model.check_oracle_shape(a) + flags.refusals(a)
@@ -126,6 +127,8 @@ def _train(options: LauncherOptions, args: Any, data_path: list[str]) -> None:
         if problems:
             _exit(problems)
         session.open_sources(dataset, options.eval_dataset)
+        source = session.source
+        assert source is not None
         device = torch.device("cpu")
         install(device)
         model_config = model.gpt_config(a)
@@ -156,12 +159,12 @@ def _train(options: LauncherOptions, args: Any, data_path: list[str]) -> None:
             interval = a.eval_interval
             vocab = model_config.vocab_size
             for step in range(iters):
-                line = reference_step(net, optimizer, session.reader, session.source, step,
+                line = reference_step(net, optimizer, session.reader, source, step,
                                       vocab, cfg, device, logits_of,
                                       clip_grad=a.clip_grad)
                 if not line.skipped:
                     scheduler.step(increment=a.global_batch_size)
-                lines = [line]
+                lines: list[StepLog | EvalLog] = [line]
                 last = step == iters - 1
                 if session.eval_reader is not None and session.eval_source is not None:
                     evals = int(interval and (step + 1) % interval == 0) + int(last)

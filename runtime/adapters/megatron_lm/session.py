@@ -136,7 +136,8 @@ class PlanSession:
 
     def eval_data_iterator(self, step: int) -> Iterator[Batch] | list[Iterator[Batch]]:
         """Eval plan step ``step``'s batches, built as training's."""
-        assert self.eval_schedule is not None and self.eval_batches is not None
+        assert self.eval_schedule is not None
+        assert self.eval_batches is not None
         schedule, batches = self.eval_schedule, self.eval_batches
 
         def chunk(c: int) -> Iterator[Batch]:
@@ -175,7 +176,7 @@ class PlanSession:
 
 
 def _tag(batch: Batch, chunk: int) -> Batch:
-    batch[_CHUNK] = chunk  # type: ignore[literal-required]
+    batch[_CHUNK] = chunk
     return batch
 
 

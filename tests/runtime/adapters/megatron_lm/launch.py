@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +28,17 @@ TOL = 1e-5
 INIT_SEED = 7
 
 # The tiny GPT of the issue's acceptance command, as written (plus the plan's batch).
-FLAGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --group-query-attention "
-         "--num-query-groups 2 --ffn-hidden-size 256 --swiglu --normalization RMSNorm "
-         "--disable-bias-linear --position-embedding-type rope --seq-length 1024 "
-         "--max-position-embeddings 4096 --micro-batch-size 1 --global-batch-size 16 "
-         "--train-iters 3 --lr 1e-3 --tokenizer-type NullTokenizer --vocab-size 64 "
-         "--calculate-per-token-loss --attention-dropout 0 --hidden-dropout 0 --log-interval 1 "
-         "--eval-iters 0 --eval-interval 1000 --seed 1234 --transformer-impl local "
-         "--no-persist-layer-norm --no-gradient-accumulation-fusion --no-masked-softmax-fusion "
-         "--no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion").split()
+FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "256",
+         "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
+         "--position-embedding-type", "rope", "--seq-length", "1024", "--max-position-embeddings",
+         "4096", "--micro-batch-size", "1", "--global-batch-size", "16", "--train-iters", "3",
+         "--lr", "1e-3", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64",
+         "--calculate-per-token-loss", "--attention-dropout", "0", "--hidden-dropout", "0",
+         "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--seed", "1234",
+         "--transformer-impl", "local", "--no-persist-layer-norm",
+         "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+         "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion"]
 
 
 def need_megatron_training() -> None:
@@ -75,8 +78,9 @@ def make_data(tmp: Path) -> dict[str, Path]:
     return out
 
 
-def launch(nproc: int, plan: Path, data: Path, log: Path, *, extra: list[str] = (),
-           own: list[str] = (), probe: str = "", timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def launch(nproc: int, plan: Path, data: Path, log: Path, *, extra: Sequence[str] = (),
+           own: Sequence[str] = (), probe: str = "", timeout: float = 600
+           ) -> subprocess.CompletedProcess[str]:
     """torchrun of the launcher (``own``: its flags beyond the plan, dataset, log and seed;
     ``extra``: Megatron-LM flags after the acceptance command's; ``probe``: run through
     ``probe.py`` with that mode)."""
@@ -89,8 +93,8 @@ def launch(nproc: int, plan: Path, data: Path, log: Path, *, extra: list[str] = 
                           text=True, timeout=timeout)
 
 
-def reference(plan: Path, data: Path, log: Path, *, extra: list[str] = (),
-              own: list[str] = ()) -> subprocess.CompletedProcess[str]:
+def reference(plan: Path, data: Path, log: Path, *, extra: Sequence[str] = (),
+              own: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
     """The launcher's oracle on the same command."""
     cmd = [sys.executable, "-m", "runtime.adapters.megatron_lm", "--reference", "--plan",
            str(plan), "--dataset", str(data), "--init-seed", str(INIT_SEED), "--log-jsonl",

@@ -45,7 +45,7 @@ def _no_rope_rebinding() -> None:
     def unbound(model: Any, cp_group: Any, tp_cp_group: Any = None) -> Iterator[None]:
         del model, cp_group, tp_cp_group
         yield
-    forward.bind_cp_group = unbound
+    forward.bind_cp_group = unbound  # type: ignore[attr-defined]
 
 
 def _no_recompute_rebinding() -> None:

@@ -123,9 +123,12 @@ def test_pp2_distributed_optimizer_selective_recompute_save_and_load(
     other = launch(4, data["vpp2"], data["data"], tmp_path / "other.jsonl",
                    extra=[*extra, "--load", str(ckpt), "--ckpt-step", "2",
                           "--num-virtual-stages-per-pipeline-rank", "2", "--num-layers", "4"])
-    assert other.returncode == 2, other.stderr[-3000:]
-    assert "was saved with plan" in other.stderr and str(data["pp2"]) in other.stderr
-    assert str(data["vpp2"]) in other.stderr and "Traceback" not in other.stderr
+    assert other.returncode != 0  # each rank exits with status 2 (torchrun then returns 1)
+    assert "exitcode  : 2" in other.stderr, other.stderr[-3000:]
+    assert "was saved with plan" in other.stderr
+    assert str(data["pp2"]) in other.stderr
+    assert str(data["vpp2"]) in other.stderr
+    assert "]: Traceback" not in other.stderr  # no rank raised (torchrun's own report aside)
 
 
 def test_vpp2_interleaved(data: dict[str, Path], tmp_path: Path) -> None:
