@@ -73,10 +73,8 @@ def loop_modules_on_cpu() -> None:
     # (synchronize, log buffer), training/utils/common_utils.py:285-308 (current_device),
     # checkpointing.py:375/417 (metadata tensor, RNG state), models/dist_utils.py:303-366 (DDP
     # stream).
-    from megatron.core import timers
-
     _redirect(mlm.initialize, available=True)
-    for module in (mlm.training, timers, mlm.checkpointing, mlm.training_common_utils,
+    for module in (mlm.training, mcore.timers, mlm.checkpointing, mlm.training_common_utils,
                    mlm.dist_utils, mlm.training_utils):
         _redirect(module)
 

@@ -1,4 +1,5 @@
-"""The only module that imports ``megatron.training`` (Megatron-LM's training loop).
+"""The only module that imports ``megatron.training`` (Megatron-LM's training loop); the
+megatron-core names it needs come from the adapter's ``compat.mcore``, megatron-core's owner.
 
 The megatron-core wheel ships ``megatron/training`` from 0.17 on; the launcher supports the
 releases of the project's ``megatron`` extra that have it, 0.17.x through 0.19.x, and refuses
@@ -28,6 +29,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from runtime.adapters.megatron.compat import mcore
 from runtime.adapters.megatron_lm import ReleaseError
 
 MIN_VERSION = (0, 17)
@@ -59,17 +61,12 @@ def _shim_typing_override() -> None:
         typing.override = typing_extensions.override  # type: ignore[attr-defined]
 
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    import megatron.core as _core
-
-VERSION: str = _core.__version__
+VERSION: str = mcore.VERSION
 check_release(VERSION)
 _shim_typing_override()
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    from megatron.core.datasets import utils as datasets_utils
     from megatron.training import arguments, checkpointing, global_vars, initialize, training
     from megatron.training import utils as training_utils
     from megatron.training.global_vars import get_args, get_tensorboard_writer
@@ -93,7 +90,7 @@ def no_compile_helpers() -> None:
     # megatron/core/datasets/utils.py: compile_helpers() runs `make` where the wheel ships no
     # Makefile and exits the process (module docstring); imported inside _compile_dependencies,
     # so the attribute takes.
-    datasets_utils.compile_helpers = lambda: None
+    mcore.datasets_utils.compile_helpers = lambda: None
 
 
 def bind_pretrain(args: tuple[Any, ...], kwargs: dict[str, Any],
