@@ -39,8 +39,9 @@ if not MIN_VERSION <= _release < MAX_VERSION:
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+    from megatron.core import dist_checkpointing, parallel_state, tensor_parallel, timers
     from megatron.core import utils as core_utils
+    from megatron.core.datasets import utils as datasets_utils
     from megatron.core.dist_checkpointing.strategies import filesystem_async, state_dict_saver
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -141,52 +142,16 @@ def te_attention_class() -> type:
 
 
 __all__ = [
-    "language_module",
-    "transformer_utils",
-    "Attention",
-    "DistributedDataParallel",
-    "DistributedDataParallelConfig",
-    "Float16Module",
-    "GPTModel",
-    "OptimizerConfig",
-    "OptimizerParamScheduler",
-    "P2PCommunicator",
-    "PackedSeqParams",
-    "ProcessGroupCollection",
-    "SUPPORTED",
-    "TransformerBlockSubmodules",
-    "TransformerConfig",
-    "VERSION",
-    "core_utils",
-    "dist_checkpointing",
-    "distrib_optimizer",
-    "filesystem_async",
-    "finalize_model_grads",
-    "get_forward_backward_func",
-    "get_gpt_layer_local_spec",
-    "get_megatron_optimizer",
-    "get_num_layers_to_build",
-    "moe_experts",
-    "moe_layer",
-    "moe_modules",
-    "moe_router",
-    "moe_token_dispatcher",
-    "moe_utils",
-    "multi_token_prediction",
-    "gpt_model_module",
-    "optimizer_clip_grads",
-    "optimizer_module",
-    "p2p_communication",
-    "parallel_state",
-    "param_and_grad_buffer",
-    "process_group_collection",
-    "rotary_pos_embedding",
-    "schedules",
-    "state_dict_saver",
-    "te_attention_class",
-    "te_layer_spec",
-    "tensor_parallel",
-    "tp_layers",
-    "tp_mappings",
-    "tp_random",
+    "Attention", "DistributedDataParallel", "DistributedDataParallelConfig", "Float16Module",
+    "GPTModel", "OptimizerConfig", "OptimizerParamScheduler", "P2PCommunicator",
+    "PackedSeqParams", "ProcessGroupCollection", "SUPPORTED", "TransformerBlockSubmodules",
+    "TransformerConfig", "VERSION", "core_utils", "datasets_utils", "dist_checkpointing",
+    "distrib_optimizer", "filesystem_async", "finalize_model_grads", "get_forward_backward_func",
+    "get_gpt_layer_local_spec", "get_megatron_optimizer", "get_num_layers_to_build",
+    "gpt_model_module", "language_module", "moe_experts", "moe_layer", "moe_modules",
+    "moe_router", "moe_token_dispatcher", "moe_utils", "multi_token_prediction",
+    "optimizer_clip_grads", "optimizer_module", "p2p_communication", "parallel_state",
+    "param_and_grad_buffer", "process_group_collection", "rotary_pos_embedding", "schedules",
+    "state_dict_saver", "te_attention_class", "te_layer_spec", "tensor_parallel", "timers",
+    "tp_layers", "tp_mappings", "tp_random", "transformer_utils",
 ]
