@@ -17,6 +17,7 @@ external loader; on a CPU host gloo and the rerun machine off), and says so.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -221,3 +222,35 @@ def adjust(args: Args, *, on_cpu: bool) -> list[str]:
             args.rerun_mode = "disabled"
             notes.append("--rerun-mode disabled (its state saving reads the CUDA RNG)")
     return notes
+
+
+def data_path_files(data_path: list[str], reader: Any, given: tuple[str, ...]
+                    ) -> tuple[str, ...]:
+    """``--data-path`` accepted only as the plan's own files (``prefix`` names ``prefix.idx`` /
+    ``.bin``; weights are dropped: the plan's blend decides the mix); returns the plan's files,
+    whose fingerprints ``open_plan_source`` checks. ``given``: the launcher's ``--dataset``."""
+    entries = list(data_path)
+    if len(entries) > 1 and len(entries) % 2 == 0 and _is_number(entries[0]):
+        entries = entries[1::2]  # "weight prefix weight prefix": the plan's blend decides
+    files = [str(f["path"]) for f in reader.header.dataset.files] or [reader.header.dataset.path]
+
+    def key(p: str) -> str:
+        p = os.path.realpath(p)
+        return p[:-4] if p.endswith((".idx", ".bin")) else p
+
+    if given:
+        raise ValueError("give the dataset once: --data-path (Megatron-LM's) or the launcher's "
+                         "--dataset")
+    if [key(e) for e in entries] != [key(f) for f in files]:
+        raise ValueError(f"--data-path {' '.join(data_path)}: the plan {reader.path} was made "
+                         f"for {' '.join(files)} (the plan's data is read through the plan; "
+                         "--data-path may only name the same files)")
+    return tuple(files)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True

@@ -114,7 +114,7 @@ class Launcher:
         dataset = self.options.dataset
         try:
             if args.data_path:
-                dataset = _data_path_files(args.data_path, s.reader, dataset)
+                dataset = flags.data_path_files(args.data_path, s.reader, dataset)
             if args.load and not problems:
                 checkpoint.check_load(args.load, s.reader, ckpt_step=args.ckpt_step,
                                       finetune=args.finetune)
@@ -343,37 +343,6 @@ def _load_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
             fresh_adam_state(optimizer)
         return original(ddp_model, optimizer, *a, **kw)
     return load_checkpoint
-
-
-def _data_path_files(data_path: list[str], reader: Any, given: tuple[str, ...]
-                     ) -> tuple[str, ...]:
-    """``--data-path`` accepted only as the plan's own Megatron files (module docstring of
-    ``flags``); returns the plan's files, whose fingerprints ``open_plan_source`` checks."""
-    entries = list(data_path)
-    if len(entries) > 1 and len(entries) % 2 == 0 and _is_number(entries[0]):
-        entries = entries[1::2]  # "weight prefix weight prefix": the plan's blend decides
-    files = [str(f["path"]) for f in reader.header.dataset.files] or [reader.header.dataset.path]
-
-    def key(p: str) -> str:
-        p = os.path.realpath(p)
-        return p[:-4] if p.endswith((".idx", ".bin")) else p
-
-    if given:
-        raise ValueError("give the dataset once: --data-path (Megatron-LM's) or the launcher's "
-                         "--dataset")
-    if [key(e) for e in entries] != [key(f) for f in files]:
-        raise ValueError(f"--data-path {' '.join(data_path)}: the plan {reader.path} was made "
-                         f"for {' '.join(files)} (the plan's data is read through the plan; "
-                         "--data-path may only name the same files)")
-    return tuple(files)
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 def _exit(problems: list[str]) -> None:

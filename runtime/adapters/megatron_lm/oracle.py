@@ -105,7 +105,7 @@ def _train(options: LauncherOptions, args: Any, data_path: list[str]) -> None:
     from runtime.adapters.megatron.parallel.optim import adamw_groups
     from runtime.adapters.megatron.trainer.oracle import segment_logits
     from runtime.adapters.megatron_lm import flags, mlm, model
-    from runtime.adapters.megatron_lm.hooks import _data_path_files, _exit
+    from runtime.adapters.megatron_lm.hooks import _exit
     from runtime.adapters.megatron_lm.session import PlanSession
     from runtime.dist.topology import Topology
     from runtime.train.config import TrainConfig
@@ -121,7 +121,7 @@ def _train(options: LauncherOptions, args: Any, data_path: list[str]) -> None:
         dataset = options.dataset
         if data_path:
             try:
-                dataset = _data_path_files(data_path, session.reader, dataset)
+                dataset = flags.data_path_files(data_path, session.reader, dataset)
             except ValueError as e:
                 problems.append(str(e))
         if problems:

@@ -132,3 +132,27 @@ def test_megatron_core_without_megatron_training_is_refused(plan: Path) -> None:
     assert run.returncode == 2
     assert "supports megatron-core 0.17.x through 0.19.x, found 0.16" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_data_path_only_names_the_plans_own_files(tmp_path: Path) -> None:
+    """Megatron-LM's --data-path (prefixes, optionally weighted) is accepted only for the files
+    the plan was made for; the plan's files come back, for their fingerprint check."""
+    import numpy as np
+
+    from planner.sources.formats import write_megatron_dataset
+
+    rng = np.random.default_rng(0)
+    write_megatron_dataset(tmp_path / "corpus", [rng.integers(0, 64, size=int(n))
+                                                 for n in harness.lengths(0)])
+    write_megatron_dataset(tmp_path / "other", [[1, 2, 3]] * 48)
+    plan = harness.plan(tmp_path / "p.arrow", tmp_path / "corpus.idx", capacity=32, batch=16,
+                        dp=4, cp=1)
+    with PlanReader(plan) as reader:
+        want = (str(tmp_path / "corpus.idx"),)
+        for data_path in ([str(tmp_path / "corpus")], ["1.0", str(tmp_path / "corpus")],
+                          [str(tmp_path / "corpus.idx")]):
+            assert flags.data_path_files(data_path, reader, ()) == want
+        with pytest.raises(ValueError, match=r"the plan .* was made for .*corpus\.idx"):
+            flags.data_path_files([str(tmp_path / "other")], reader, ())
+        with pytest.raises(ValueError, match="give the dataset once"):
+            flags.data_path_files([str(tmp_path / "corpus")], reader, want)
