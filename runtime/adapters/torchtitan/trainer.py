@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from runtime.adapters.torchtitan.attention import PlanMasks
 from runtime.adapters.torchtitan.data import MICROBATCH_KEY, PlanDataLoader, PlanTokenizer
 from runtime.adapters.torchtitan.model import build_llama3, gpt_shape
+from runtime.adapters.torchtitan.section import PlanSection, apply_plan
 from runtime.adapters.torchtitan.titan import (
     BaseCheckpointManager,
     BaseLoss,
@@ -157,6 +158,16 @@ class PlanTrainer(Trainer):
         verbose: bool = False
         """Show torchtitan's known warnings (``titan.KNOWN_WARNINGS``: each is listed with why
         it does not apply), silenced by default; unknown ones always show."""
+        plan: PlanSection = field(default_factory=PlanSection)
+        """``--plan.*`` (``runtime.adapters.torchtitan.registry``): the plan fills the data
+        loader, batch sizes, seq_len and validator (``section.apply_plan``); empty: they are
+        set directly, as ``trainer_config`` does."""
+
+        def __post_init__(self) -> None:
+            # slots=True rebuilds the class: zero-argument super() would name the old one.
+            Trainer.Config.__post_init__(self)
+            if self.plan.path:
+                apply_plan(self)
 
     config: Config
     dataloader: PlanDataLoader
