@@ -18,8 +18,10 @@ what the plan fixes and refuses a flag that says otherwise, naming both values:
 - ``validator``: an eval plan (``--plan.eval_path``) through torchtitan's validation hook, every
   ``validator.freq`` steps and after the last, its first ``validator.steps`` steps (-1: all).
 
-The refusals are ``SystemExit`` with the message: a mistyped flag is not a traceback. The
-function is idempotent (torchtitan rebuilds configs with ``dataclasses.replace``).
+The refusals are ``ValueError``s naming the flag, its value and the plan's; raised while tyro
+builds the config, they are shown as tyro's usage error (exit status 2), not a traceback, as
+torchtitan's own config checks are. The function is idempotent (torchtitan rebuilds configs
+with ``dataclasses.replace``).
 """
 
 from __future__ import annotations
@@ -69,8 +71,8 @@ def recast(cls: type[_T], config: Any) -> _T:
     return cls(**values)
 
 
-def _refuse(flag: str, value: object, why: str) -> SystemExit:
-    return SystemExit(f"--{flag} {value}: {why}")
+def _refuse(flag: str, value: object, why: str) -> ValueError:
+    return ValueError(f"--{flag} {value}: {why}")
 
 
 def _check_parallelism(parallelism: Any, pool: int, path: str) -> None:
@@ -90,7 +92,7 @@ def _check_parallelism(parallelism: Any, pool: int, path: str) -> None:
                           f"does not divide the plan's pool of {pool} ranks ({path})")
         return
     if replicate * shard != pool:
-        raise SystemExit(
+        raise ValueError(
             f"--parallelism.data_parallel_shard_degree {shard} x data_parallel_replicate_degree"
             f" {replicate} = {replicate * shard} ranks, but {path} is planned for a pool of "
             f"{pool} ranks: use -1 (every pool rank a data-parallel replica)")
@@ -128,7 +130,7 @@ def _data(config: Any, section: PlanSection) -> None:
                           f"contradicts --plan.{'path' if name == 'plan' else name} {value}")
         setattr(loader, name, current or value)
     if not loader.dataset and not loader.datasets:
-        raise SystemExit(f"--plan.path {section.path}: --plan.dataset DATA is required (the "
+        raise ValueError(f"--plan.path {section.path}: --plan.dataset DATA is required (the "
                          "pre-tokenized dataset the plan was made for)")
     config.dataloader = loader
     config.tokenizer = recast(PlanTokenizer.Config, config.tokenizer)
@@ -152,7 +154,7 @@ def _validator(config: Any, section: PlanSection) -> None:
 
 
 def apply_plan(config: Any) -> None:
-    """Fill ``config`` (a ``PlanTrainer.Config``) from ``config.plan``; SystemExit on a flag
+    """Fill ``config`` (a ``PlanTrainer.Config``) from ``config.plan``; ValueError on a flag
     that contradicts it (see the module docstring)."""
     section: PlanSection = config.plan
     try:
@@ -160,7 +162,7 @@ def apply_plan(config: Any) -> None:
             seq_len, num_steps = max_seq_len(reader), reader.num_steps
             pool = reader.header.parallel.pool_size
     except (OSError, ValueError) as e:
-        raise SystemExit(f"--plan.path {section.path}: {e}") from None
+        raise ValueError(f"--plan.path {section.path}: {e}") from None
     _check_parallelism(config.parallelism, pool, section.path)
     _check_training(config.training, seq_len, num_steps, section.path)
     _data(config, section)
