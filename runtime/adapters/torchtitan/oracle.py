@@ -12,6 +12,8 @@ sample continues past it.
 from __future__ import annotations
 
 import math
+from contextlib import ExitStack
+from dataclasses import replace
 
 import torch
 
@@ -21,6 +23,7 @@ from runtime.adapters.torchtitan.model import build_llama3, llama3_config
 from runtime.adapters.torchtitan.section import max_seq_len
 from runtime.adapters.torchtitan.titan import LRSchedulersContainer
 from runtime.adapters.torchtitan.trainer import PlanTrainer
+from runtime.adapters.torchtitan.validate import PlanValidator
 from runtime.data.evaluation import check_eval_layout
 from runtime.data.plan_reader import PlanReader
 from runtime.data.plan_source import open_plan_source
@@ -29,7 +32,7 @@ from runtime.train.config import TrainConfig, should_evaluate
 from runtime.train.model import GPTConfig, sequence_attention
 from runtime.train.oracle import SegmentLogits, reference_eval, reference_step
 from runtime.train.procgroup import resolve_device
-from runtime.train.runlog import StepLog, StepLogger, TrainResult
+from runtime.train.runlog import StepLogger, TrainResult
 
 
 def _logits(model: torch.nn.Module, cfg: TrainConfig) -> SegmentLogits:
@@ -121,14 +124,16 @@ def _adamw(model: torch.nn.Module, config: PlanTrainer.Config) -> torch.optim.Ad
                              foreach=False)
 
 
-def reference_of_config(config: PlanTrainer.Config, *, steps: int = 0) -> list[StepLog]:
+def reference_of_config(config: PlanTrainer.Config, *, steps: int = 0) -> TrainResult:
     """The oracle of a registry job (``--module runtime.adapters.torchtitan.registry``): its
     parsed ``config`` (plan section applied, ``seed`` set), one process, every segment alone,
-    the same AdamW, lr schedule (``lr_factor``) and gradient clipping (``max_norm``).
-    ``steps``: the first ones only (0: ``training.steps``)."""
-    loader, training = config.dataloader, config.training
+    the same AdamW, lr schedule (``lr_factor``) and gradient clipping (``max_norm``), and the
+    eval plan after the steps torchtitan's validator runs it. ``steps``: the first ones only
+    (0: ``training.steps``). The final weights and gradients are not kept."""
+    loader, training, validator = config.dataloader, config.training, config.validator
     if config.seed is None or config.model_spec is None:
         raise ValueError("the oracle needs --seed (the trainer's weights) and a model")
+    evaluates = isinstance(validator, PlanValidator.Config) and validator.enable
     cfg = TrainConfig(plan=loader.plan, dataset=loader.dataset, datasets=tuple(loader.datasets),
                       field=loader.field, quiet=True)
     model = build_llama3(config.model_spec.model, seed=config.seed)
@@ -136,13 +141,25 @@ def reference_of_config(config: PlanTrainer.Config, *, steps: int = 0) -> list[S
     base_lr = float(optimizer.param_groups[0]["lr"])
     logits_of = _logits(model, cfg)
     vocab = int(config.model_spec.model.vocab_size)
-    with PlanReader(loader.plan) as reader:
+    cpu = torch.device("cpu")
+    result = TrainResult()
+    with ExitStack() as stack:
+        reader = stack.enter_context(PlanReader(loader.plan))
         source = open_plan_source(reader, cfg.dataset_paths, field=cfg.field)
-        logs = []
+        if evaluates:
+            eval_reader = stack.enter_context(PlanReader(validator.plan))
+            eval_source = open_plan_source(eval_reader, validator.dataset, field=validator.field)
+            eval_cfg = replace(cfg, eval_plan=validator.plan, eval_dataset=validator.dataset,
+                               eval_steps=validator.max_steps)
         for step in range(steps or training.steps):
             for group in optimizer.param_groups:
                 group["lr"] = base_lr * lr_factor(step, config.lr_scheduler, training.steps)
-            logs.append(reference_step(model, optimizer, reader, source, step, vocab, cfg,
-                                       torch.device("cpu"), logits_of,
-                                       clip_grad=float(training.max_norm)))
-    return logs
+            result.logs.append(reference_step(model, optimizer, reader, source, step, vocab,
+                                              cfg, cpu, logits_of,
+                                              clip_grad=float(training.max_norm)))
+            # torchtitan's validator counts completed steps (step + 1).
+            if evaluates and (step + 1 == validator.last_step or (
+                    validator.interval > 0 and (step + 1) % validator.interval == 0)):
+                result.evals.append(reference_eval(model, eval_reader, eval_source, eval_cfg,
+                                                   step, vocab, cpu, logits_of))
+    return result

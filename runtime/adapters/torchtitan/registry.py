@@ -37,7 +37,8 @@ from typing import Any
 from runtime.adapters.torchtitan.data import PlanDataLoader, PlanTokenizer
 from runtime.adapters.torchtitan.model import with_plan_attention
 from runtime.adapters.torchtitan.section import FROM_PLAN, recast
-from runtime.adapters.torchtitan.titan import Llama3Model, Trainer, llama3_registry
+from runtime.adapters.torchtitan.titan import Llama3Model, Trainer
+from runtime.adapters.torchtitan.titan import llama3_registry as _llama3
 from runtime.adapters.torchtitan.trainer import PlanMetrics, PlanTrainer
 from runtime.adapters.torchtitan.validate import PlanValidator
 
@@ -73,20 +74,20 @@ def with_plan(config: Trainer.Config) -> PlanTrainer.Config:
 
 
 def _names() -> list[str]:
-    return [name for name in dir(llama3_registry)
-            if name.startswith(_PREFIX) and callable(getattr(llama3_registry, name))]
+    return [name for name in dir(_llama3)
+            if name.startswith(_PREFIX) and callable(getattr(_llama3, name))]
 
 
 def llama3_debugmodel() -> PlanTrainer.Config:
     """torchtitan's ``llama3_debugmodel`` replaying ``--plan.path``."""
-    return with_plan(llama3_registry.llama3_debugmodel())
+    return with_plan(_llama3.llama3_debugmodel())
 
 
 def __getattr__(name: str) -> Callable[[], PlanTrainer.Config]:
     # Every other config of torchtitan's llama3 registry, by its own name (PEP 562).
     if name in _names():
         def config() -> PlanTrainer.Config:
-            made: Trainer.Config = getattr(llama3_registry, name)()
+            made: Trainer.Config = getattr(_llama3, name)()
             return with_plan(made)
 
         config.__name__ = name
