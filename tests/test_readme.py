@@ -303,3 +303,31 @@ def test_torchtitan_own_job_example_runs_on_four_ranks(checkout: Path) -> None:
         assert not re.search(known.message, errors[0]), known.message
     rest = [x for x in errors[0].splitlines() if "torch/distributed/run.py" not in x]
     assert rest == [x for x in rest if x.startswith("dcp-train: 3 steps (0-2)")], rest
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.timeout(900)
+def test_torchtitan_own_entry_point_example_runs_on_four_ranks(checkout: Path) -> None:
+    # docs/torchtitan.md's torchtitan.train example as a user runs it: the folded sample data,
+    # the two plans, then torchtitan's own entry point with the registry's llama3_debugmodel on
+    # 4 gloo ranks (CP groups of 1, 2 and 4, evaluation after steps 2 and 3, a checkpoint).
+    # Equality with the oracle is tests/runtime/adapters/torchtitan/test_registry_dist.py's.
+    pytest.importorskip("torchtitan")
+    from runtime.data.plan_reader import PlanReader
+
+    run_bash(block("docs/torchtitan.md", "torchtitan's own entry point", "bash"), checkout)
+    lines = [json.loads(x) for x in (checkout / "runs" / "titan-debug.jsonl").read_text(
+        ).splitlines()]
+    assert [x.get("step", f"after {x.get('after_step')}") for x in lines] == [
+        0, 1, "after 1", 2, "after 2"]
+    reader = PlanReader(checkout / "plans" / "debug.arrow")
+    assert {int(k) for i in range(3) for k in reader.step(i).group_cp_size} == {1, 2, 4}
+    for r in (x for x in lines if "step" in x):
+        step = reader.step(r["step"])
+        assert r["loss_tokens"] == _loss_tokens(step)
+        assert r["microbatches"] == step.num_microbatches
+        assert 0 < r["loss"] < 12
+    assert all(x["eval_tokens"] > 0 and math.isfinite(x["eval_loss"])
+               for x in lines if "after_step" in x)
+    assert (checkout / "runs" / "titan-debug" / "checkpoint" / "step-3" / ".metadata").is_file()

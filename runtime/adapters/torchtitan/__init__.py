@@ -12,6 +12,11 @@ this package gives its ``Trainer`` per-microbatch CP groups from a plan:
 - ``PlanValidator``: evaluation of an eval plan through torchtitan's validation hook;
 - ``trainer_config`` / ``launch``: what ``dcp-train --framework torchtitan`` runs;
   ``train_reference`` its one-process oracle.
+- ``registry``: a ``config_registry`` for torchtitan's own entry point (``torchrun -m
+  torchtitan.train --module runtime.adapters.torchtitan.registry --config llama3_debugmodel
+  --plan.path PLAN --plan.dataset DATA``): torchtitan's llama3 configs replaying a plan, the
+  ``plan`` section (``section.py``) filled in and checked after tyro parses the flags;
+  ``oracle.reference_of_config`` its oracle.
 
 torchtitan itself is imported only by ``titan`` (with the CPU workarounds).
 """

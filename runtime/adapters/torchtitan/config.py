@@ -27,6 +27,7 @@ from pathlib import Path
 
 from runtime.adapters.torchtitan.data import PlanDataLoader, PlanTokenizer
 from runtime.adapters.torchtitan.model import llama3_config, model_spec
+from runtime.adapters.torchtitan.section import max_seq_len
 from runtime.adapters.torchtitan.titan import (
     CheckpointManager,
     CommConfig,
@@ -47,11 +48,6 @@ from runtime.train.preflight import announce_resume, check_resume_step, run_inpu
 ADAMW_BETAS = (0.9, 0.95)
 ADAMW_EPS = 1e-8
 _STEP_DIR = re.compile(r"step-(\d+)$")
-
-
-def max_seq_len(reader: PlanReader) -> int:
-    """Longest padded segment the plan can hold: a group of the whole pool at capacity."""
-    return reader.header.parallel.pool_size * reader.header.capacity_tokens_per_rank
 
 
 def latest_checkpoint(folder: str) -> int:

@@ -11,11 +11,19 @@ sample continues past it.
 
 from __future__ import annotations
 
+import math
+from contextlib import ExitStack
+from dataclasses import replace
+
 import torch
 
 from runtime.adapters.torchtitan.attention import PlanMasks
-from runtime.adapters.torchtitan.config import ADAMW_BETAS, ADAMW_EPS, max_seq_len
+from runtime.adapters.torchtitan.config import ADAMW_BETAS, ADAMW_EPS
 from runtime.adapters.torchtitan.model import build_llama3, llama3_config
+from runtime.adapters.torchtitan.section import max_seq_len
+from runtime.adapters.torchtitan.titan import LRSchedulersContainer
+from runtime.adapters.torchtitan.trainer import PlanTrainer
+from runtime.adapters.torchtitan.validate import PlanValidator
 from runtime.data.evaluation import check_eval_layout
 from runtime.data.plan_reader import PlanReader
 from runtime.data.plan_source import open_plan_source
@@ -81,4 +89,77 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig) -> TrainResult:
     result.state = {k: p.detach().cpu().clone() for k, p in model.named_parameters()}
     result.grads = {k: p.grad.detach().cpu().clone() for k, p in model.named_parameters()
                     if p.grad is not None}
+    return result
+
+
+def lr_factor(step: int, config: LRSchedulersContainer.Config, training_steps: int) -> float:
+    """The learning-rate factor torchtitan's warmup-stable-decay schedule gives 0-based
+    ``step`` (written out here from its documented rule, not imported): linear warmup over
+    ``warmup_steps`` (step k at (k+1)/warmup), flat, then ``decay_type`` over the last
+    ``decay_ratio`` of the steps (all after warmup when None) towards ``min_lr_factor``, with a
+    virtual step past the end so the last rate is not 0."""
+    total = config.total_steps if config.total_steps is not None else training_steps
+    warmup = min(int(config.warmup_steps), total)
+    decay = total - warmup if config.decay_ratio is None else round(total * config.decay_ratio)
+    decay = min(decay, total - warmup)
+    flat_end = total + 1 - decay  # warmup + stable steps
+    if step < warmup:
+        return (step + 1) / warmup
+    if step < flat_end:
+        return 1.0
+    progress = (step + 1 - flat_end) / decay
+    shape = {"linear": 1 - progress, "sqrt": 1 - math.sqrt(progress),
+             "cosine": 0.5 * (1 + math.cos(math.pi * progress))}[config.decay_type]
+    floor = float(config.min_lr_factor)
+    return floor + (1 - floor) * shape
+
+
+def _adamw(model: torch.nn.Module, config: PlanTrainer.Config) -> torch.optim.AdamW:
+    groups = config.optimizer.param_groups
+    if len(groups) != 1 or groups[0].optimizer_name != "AdamW" or groups[0].pattern != ".*":
+        raise ValueError("the oracle runs torchtitan's default_adamw (one AdamW group) only")
+    kwargs = groups[0].optimizer_kwargs
+    return torch.optim.AdamW(model.parameters(), lr=kwargs["lr"], betas=tuple(kwargs["betas"]),
+                             eps=kwargs["eps"], weight_decay=kwargs["weight_decay"],
+                             foreach=False)
+
+
+def reference_of_config(config: PlanTrainer.Config, *, steps: int = 0) -> TrainResult:
+    """The oracle of a registry job (``--module runtime.adapters.torchtitan.registry``): its
+    parsed ``config`` (plan section applied, ``seed`` set), one process, every segment alone,
+    the same AdamW, lr schedule (``lr_factor``) and gradient clipping (``max_norm``), and the
+    eval plan after the steps torchtitan's validator runs it. ``steps``: the first ones only
+    (0: ``training.steps``). The final weights and gradients are not kept."""
+    loader, training, validator = config.dataloader, config.training, config.validator
+    if config.seed is None or config.model_spec is None:
+        raise ValueError("the oracle needs --seed (the trainer's weights) and a model")
+    evaluates = isinstance(validator, PlanValidator.Config) and validator.enable
+    cfg = TrainConfig(plan=loader.plan, dataset=loader.dataset, datasets=tuple(loader.datasets),
+                      field=loader.field, quiet=True)
+    model = build_llama3(config.model_spec.model, seed=config.seed)
+    optimizer = _adamw(model, config)
+    base_lr = float(optimizer.param_groups[0]["lr"])
+    logits_of = _logits(model, cfg)
+    vocab = int(config.model_spec.model.vocab_size)
+    cpu = torch.device("cpu")
+    result = TrainResult()
+    with ExitStack() as stack:
+        reader = stack.enter_context(PlanReader(loader.plan))
+        source = open_plan_source(reader, cfg.dataset_paths, field=cfg.field)
+        if evaluates:
+            eval_reader = stack.enter_context(PlanReader(validator.plan))
+            eval_source = open_plan_source(eval_reader, validator.dataset, field=validator.field)
+            eval_cfg = replace(cfg, eval_plan=validator.plan, eval_dataset=validator.dataset,
+                               eval_steps=validator.max_steps)
+        for step in range(steps or training.steps):
+            for group in optimizer.param_groups:
+                group["lr"] = base_lr * lr_factor(step, config.lr_scheduler, training.steps)
+            result.logs.append(reference_step(model, optimizer, reader, source, step, vocab,
+                                              cfg, cpu, logits_of,
+                                              clip_grad=float(training.max_norm)))
+            # torchtitan's validator counts completed steps (step + 1).
+            if evaluates and (step + 1 == validator.last_step or (
+                    validator.interval > 0 and (step + 1) % validator.interval == 0)):
+                result.evals.append(reference_eval(model, eval_reader, eval_source, eval_cfg,
+                                                   step, vocab, cpu, logits_of))
     return result

@@ -97,6 +97,7 @@ with warnings.catch_warnings():
     from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
     from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
     from torchtitan.models.llama3 import Llama3Model, parallelize_llama
+    from torchtitan.models.llama3 import config_registry as llama3_registry
     from torchtitan.models.llama3.model import Llama3TransformerBlock
     from torchtitan.protocols.model_spec import ModelSpec
     from torchtitan.protocols.module import Module
@@ -274,6 +275,7 @@ __all__ = [
     "default_adamw",
     "gloo_sum_reduction",
     "init_logger",
+    "llama3_registry",
     "make_ffn_config",
     "make_gqa_config",
     "mesh_groups",

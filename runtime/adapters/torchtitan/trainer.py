@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from runtime.adapters.torchtitan.attention import PlanMasks
 from runtime.adapters.torchtitan.data import MICROBATCH_KEY, PlanDataLoader, PlanTokenizer
 from runtime.adapters.torchtitan.model import build_llama3, gpt_shape
+from runtime.adapters.torchtitan.section import FROM_PLAN, PlanSection, apply_plan
 from runtime.adapters.torchtitan.titan import (
     BaseCheckpointManager,
     BaseLoss,
@@ -157,6 +158,16 @@ class PlanTrainer(Trainer):
         verbose: bool = False
         """Show torchtitan's known warnings (``titan.KNOWN_WARNINGS``: each is listed with why
         it does not apply), silenced by default; unknown ones always show."""
+        plan: PlanSection = field(default_factory=PlanSection)
+        """``--plan.*`` (``runtime.adapters.torchtitan.registry``): the plan fills the data
+        loader, batch sizes, seq_len and validator (``section.apply_plan``); empty: they are
+        set directly, as ``trainer_config`` does."""
+
+        def __post_init__(self) -> None:
+            # slots=True rebuilds the class: zero-argument super() would name the old one.
+            Trainer.Config.__post_init__(self)
+            if self.plan.path:
+                apply_plan(self)
 
     config: Config
     dataloader: PlanDataLoader
@@ -165,6 +176,10 @@ class PlanTrainer(Trainer):
         if config.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got "
                              f"{config.attention!r}")
+        if config.training.seq_len == FROM_PLAN:
+            # The registry's configs leave seq_len to the plan section.
+            raise SystemExit("--plan.path PLAN is required: the registry's configs replay a plan "
+                             "(runtime.adapters.torchtitan.registry)")
         if not config.verbose:
             quiet_upstream_warnings()
         _vocab_from_model(config)
