@@ -24,17 +24,21 @@ the plan predicted slow. Two steps cover the CPU and GPU runs measured here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from planner.planfile.io import PlanFile
 from planner.planfile.schema import PlanHeader, column_numpy
+
+if TYPE_CHECKING:
+    from planner.cost import CostModel
 
 WARMUP_STEPS = 2
 """Steps at the start of a run left out of the agreement figures (module docstring)."""
@@ -50,13 +54,19 @@ class StepPrediction:
         self._file = PlanFile(path)
         self.header: PlanHeader = self._file.header
         cm = self.header.cost_model
-        self.cost = CostModel.from_dict({"name": cm.get("name", "plan"),
-                                         "parameters": cm.get("parameters", {})})
+        self.cost: CostModel | None = None
+        """None: the header holds no usable cost model (a hand-made plan): no prediction."""
+        with contextlib.suppress(ValueError):
+            self.cost = CostModel.from_dict({"name": cm.get("name", "plan"),
+                                             "parameters": cm.get("parameters", {})})
 
-    def __call__(self, step: int) -> float:
-        """Step ``step``'s simulated seconds (``dcp-plan show``'s ``simulated_s``)."""
+    def __call__(self, step: int) -> float | None:
+        """Step ``step``'s simulated seconds (``dcp-plan show``'s ``simulated_s``); None
+        without a cost model."""
         from planner.cost import simulate_step
 
+        if self.cost is None:
+            return None
         batch = self._file.step(step)
         return simulate_step(self.cost, self.header.parallel.pool_size,
                              column_numpy(batch, "microbatch"), column_numpy(batch, "rank_start"),
