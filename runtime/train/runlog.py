@@ -57,7 +57,7 @@ class StepLog:
             "step": self.step, "loss": self.loss, "tokens": self.tokens,
             "loss_tokens": self.loss_tokens, "microbatches": self.microbatches,
             "seconds": round(self.seconds, 6),
-            **({} if self.predicted_s is None else {"predicted_s": round(self.predicted_s, 9)}),
+            **({} if self.predicted_s is None else {"predicted_s": self.predicted_s}),
             "tokens_per_s": round(self.tokens / max(self.seconds, 1e-9), 1)}
         for name in ("grad_norm", "moe_aux_loss", "moe_tokens_per_expert", "mtp_loss"):
             if getattr(self, name) is not None:
