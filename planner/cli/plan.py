@@ -121,6 +121,15 @@ def _plan_parser() -> argparse.ArgumentParser:
                    help="samples per optimizer step")
     g.add_argument("--global-batch-tokens", type=positive_int, metavar="T",
                    help="real tokens per optimizer step (samples added in permutation order)")
+    bat.add_argument("--memory-per-rank", default="", metavar="SIZE",
+                     help="refuse a plan with a microbatch whose estimated peak on one rank "
+                     "(planner/memory.py) exceeds SIZE, e.g. 80GB or 80GiB; needs "
+                     "--memory-model")
+    bat.add_argument("--memory-model", default="", metavar="SHAPE",
+                     help="the model's shape for --memory-per-rank: KEY=VALUE,... of vocab, "
+                     "layers, hidden, heads, query-groups, ffn, attention (reference, torch, "
+                     "te), device (cpu, cuda), e.g. layers=32,hidden=4096,heads=32,"
+                     "query-groups=8,vocab=128256,attention=te")
     bat.add_argument("--drop-last", action="store_true",
                      help="drop each epoch's final partial global batch")
     bat.add_argument("--seed", type=seed_int, default=None,
@@ -172,6 +181,17 @@ def cmd_plan(argv: list[str]) -> int:
     if weights is not None and args.global_batch_tokens:
         parser.error("--data-path weights draw a number of samples per step: use "
                      "--global-batch-size with them, not --global-batch-tokens")
+    memory = None
+    if args.memory_per_rank or args.memory_model:
+        if not (args.memory_per_rank and args.memory_model):
+            parser.error("--memory-per-rank and --memory-model go together: the limit and the "
+                         "model whose peak is held against it")
+        from planner.memory import parse_bytes, parse_shape
+
+        try:
+            memory = (parse_shape(args.memory_model), parse_bytes(args.memory_per_rank))
+        except ValueError as e:
+            parser.error(str(e))
     engine = engine_settings(parser, args)  # before reading: Ray there if asked for
     from planner.cli.progress import Progress
     from planner.cli.summary import format_summary, plan_summary
@@ -230,7 +250,13 @@ def cmd_plan(argv: list[str]) -> int:
         # last token) before anything reaches the final path: a plan that breaks an invariant
         # is a bug, and the user must never find a half-right file under the name they asked
         # for.
-        write_plan_stream(out, stream.steps(), header, lengths=table.lengths,
+        steps = stream.steps()
+        if memory is not None:  # refused before the plan reaches its path (planner/memory.py)
+            from planner.memory import refuse_over
+
+            steps = refuse_over(steps, memory[0], memory[1],
+                                f"--memory-per-rank {args.memory_per_rank}")
+        write_plan_stream(out, steps, header, lengths=table.lengths,
                           overwrite=args.overwrite)
     t3 = time.perf_counter()
     t2 = planned[0]

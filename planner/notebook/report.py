@@ -183,8 +183,11 @@ def _summary_table(view: PlanView) -> str:
                                "</tr>" for k, v in rows.items()) + "</table>"
 
 
-def render_report(view: PlanView) -> str:
-    """The whole page for an opened plan (validate it first: the numbers are the plan's)."""
+def render_report(view: PlanView, log: list[dict[str, Any]] | None = None,
+                  log_source: str = "") -> str:
+    """The whole page for an opened plan (validate it first: the numbers are the plan's);
+    ``log``: a run's step lines (``planner.prediction.read_step_log``), for the
+    predicted-vs-measured panel (notebook/reportlog.py), read from ``log_source``."""
     from planner.planfile.schema import CREATOR_VERSION, FORMAT_VERSION
 
     header = view.header
@@ -203,6 +206,10 @@ def render_report(view: PlanView) -> str:
         + "</p>", _cost_mark(header), _gain_cards(header), _parts_table(header),
         "<h2 id='summary'>Summary</h2>", _summary_table(view),
     ]
+    if log is not None:
+        from planner.notebook.reportlog import panel
+
+        parts.append(panel(view, log, log_source, _svg))
     for key, title, caption in FIGURES:
         svg = _svg(_figure(key, header, view, summary))
         parts.append(f"<h2 id='{key}'>{e(title)}</h2><figure>{svg}"

@@ -223,6 +223,11 @@ def _spawned(rank: int, cfg: CalibrateConfig, model_config: GPTConfig, world_siz
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``dcp-calibrate``; returns the process exit status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--from-log" or a.startswith("--from-log=") for a in args):
+        from runtime.calibrate.fromlog import main as from_log
+
+        return from_log(args)  # a fit to a run's log: nothing is measured here
     cfg, model_config, nproc, report = parse_args(argv)
     try:
         # Before measuring: the outputs must be writable and replace only their own kind.

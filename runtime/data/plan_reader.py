@@ -186,6 +186,11 @@ class PlanReader:
         cols = {n: column_numpy(batch, n) for n in COLUMN_NAMES}
         return StepPlan.from_columns(i, self.pool_size, cols)
 
+    def columns(self, i: int) -> dict[str, NDArray[np.int64]]:
+        """Step ``i``'s plan columns as numpy arrays (``planner.memory`` reads them)."""
+        batch = self._file.step(i)
+        return {n: column_numpy(batch, n) for n in COLUMN_NAMES}
+
     def close(self) -> None:
         self._file.close()
 

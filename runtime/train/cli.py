@@ -145,6 +145,10 @@ def _parser() -> argparse.ArgumentParser:
                     "(0: only after the last)")
     ev.add_argument("--eval-steps", type=nonnegative_int, default=0, metavar="M",
                     help="evaluate only the eval plan's first M steps (0: all of it)")
+    p.add_argument("--no-memory-check", dest="memory_check", action="store_false",
+                   help="skip the check, before the first step, of the heaviest microbatch's "
+                   "estimated peak memory against the GPU, or on CPU the host's available "
+                   "memory shared by its ranks")
     p.add_argument("--skip-nonfinite-steps", action="store_true",
                    help="skip the update of a step whose loss or gradients are NaN/inf "
                    "(default: stop with an error naming the step)")
@@ -254,6 +258,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, GPTConfi
                           eval_plan=a.eval_plan, eval_dataset=a.eval_dataset,
                           eval_interval=a.eval_interval, eval_steps=a.eval_steps,
                           skip_nonfinite_steps=a.skip_nonfinite_steps,
+                          memory_check=a.memory_check,
                           distributed_timeout_minutes=a.distributed_timeout_minutes,
                           megatron=_megatron_options(a))
     except ValueError as e:

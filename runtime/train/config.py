@@ -86,6 +86,9 @@ class TrainConfig:
     """File the end-of-run summary is written to as JSON."""
     progress: bool = True
     """A progress bar (rate, ETA) on stderr when it is a terminal (rank 0)."""
+    memory_check: bool = True
+    """Refuse, before the first step, a run whose heaviest microbatch's estimated peak
+    exceeds a rank's memory (``runtime.train.memcheck``)."""
 
     skip_nonfinite_steps: bool = False
     """Skip the update of a step whose loss or gradients are not finite (logged) instead of

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import IO, Any
 
 import torch
@@ -24,6 +24,7 @@ import torch
 from planner.cli.args import emit_summary
 from planner.cli.progress import Progress
 from planner.fileguard import open_log
+from planner.prediction import WARMUP_STEPS, StepPrediction, agreement, agreement_text
 from runtime.train.config import TrainConfig
 
 
@@ -47,12 +48,16 @@ class StepLog:
     """A MoE model's real tokens per expert in the step, one list per MoE layer."""
     mtp_loss: list[float] | None = None
     """Multi-token prediction: each depth's per-token loss over the step (unweighted)."""
+    predicted_s: float | None = None
+    """The plan's simulated seconds of this step (``planner.prediction``), beside the measured
+    ``seconds``; ``StepLogger`` fills it in from the plan when the engine leaves it None."""
 
     def to_json(self) -> str:
         d: dict[str, Any] = {
             "step": self.step, "loss": self.loss, "tokens": self.tokens,
             "loss_tokens": self.loss_tokens, "microbatches": self.microbatches,
             "seconds": round(self.seconds, 6),
+            **({} if self.predicted_s is None else {"predicted_s": self.predicted_s}),
             "tokens_per_s": round(self.tokens / max(self.seconds, 1e-9), 1)}
         for name in ("grad_norm", "moe_aux_loss", "moe_tokens_per_expert", "mtp_loss"):
             if getattr(self, name) is not None:
@@ -114,6 +119,7 @@ class StepLogger:
         self.file: IO[str] | None = None
         self.logs: list[StepLog] = []
         self.evals: list[EvalLog] = []
+        self._prediction: StepPrediction | None = None
         self.bar = Progress("training", unit="step", enabled=enabled and cfg.progress
                             and not cfg.quiet)
         if enabled and cfg.log_jsonl:
@@ -127,6 +133,10 @@ class StepLogger:
     def write(self, log: StepLog | EvalLog) -> None:
         if not self.enabled:
             return
+        if isinstance(log, StepLog) and log.predicted_s is None and self.cfg.plan:
+            if self._prediction is None:
+                self._prediction = StepPrediction(self.cfg.plan)
+            log = replace(log, predicted_s=self._prediction(log.step))
         line = log.to_json()
         if not self.quiet:
             self.bar.write(line)
@@ -141,6 +151,9 @@ class StepLogger:
 
     def close(self) -> None:
         self.bar.close()
+        if self._prediction is not None:
+            self._prediction.close()
+            self._prediction = None
         if self.file is not None:
             self.file.close()
             self.file = None
@@ -162,15 +175,22 @@ def run_summary(cfg: TrainConfig, logs: list[StepLog]) -> dict[str, Any]:
     tokens = sum(log.tokens for log in logs)
     n = len(seconds)
     median = seconds[n // 2] if n % 2 else (seconds[n // 2 - 1] + seconds[n // 2]) / 2
-    return {"plan": cfg.plan, "dataset": list(cfg.dataset_paths), "num_steps": n,
-            "first_step": logs[0].step, "last_step": logs[-1].step,
-            "loss_first": logs[0].loss, "loss_last": logs[-1].loss,
-            "tokens": tokens, "loss_tokens": sum(log.loss_tokens for log in logs),
-            "microbatches": sum(log.microbatches for log in logs),
-            "seconds": total, "seconds_per_step_mean": total / n,
-            "seconds_per_step_median": median, "seconds_per_step_min": seconds[0],
-            "seconds_per_step_max": seconds[-1],
-            "tokens_per_second": tokens / total if total > 0 else None}
+    out: dict[str, Any] = {
+        "plan": cfg.plan, "dataset": list(cfg.dataset_paths), "num_steps": n,
+        "first_step": logs[0].step, "last_step": logs[-1].step,
+        "loss_first": logs[0].loss, "loss_last": logs[-1].loss,
+        "tokens": tokens, "loss_tokens": sum(log.loss_tokens for log in logs),
+        "microbatches": sum(log.microbatches for log in logs),
+        "seconds": total, "seconds_per_step_mean": total / n,
+        "seconds_per_step_median": median, "seconds_per_step_min": seconds[0],
+        "seconds_per_step_max": seconds[-1],
+        "tokens_per_second": tokens / total if total > 0 else None}
+    if any(log.predicted_s is not None for log in logs):
+        # The plan's prediction against these measurements, after the warm-up steps
+        # (planner.prediction): the cost model's scale error and its rank correlation.
+        out["prediction"] = agreement([log.step for log in logs], [log.seconds for log in logs],
+                                      [log.predicted_s for log in logs], WARMUP_STEPS)
+    return out
 
 
 def format_run_summary(s: dict[str, Any]) -> str:
@@ -180,4 +200,5 @@ def format_run_summary(s: dict[str, Any]) -> str:
             f"{s['loss_first']:.4f} -> {s['loss_last']:.4f}, {s['tokens']:,} tokens in "
             f"{s['seconds']:.1f} s ({s['seconds_per_step_mean']:.2f} s/step mean, "
             f"{s['seconds_per_step_median']:.2f} median"
-            + (f", {rate:,.0f} tokens/s)" if rate else ")"))
+            + (f", {rate:,.0f} tokens/s)" if rate else ")")
+            + (f"; prediction: {agreement_text(s['prediction'])}" if "prediction" in s else ""))

@@ -68,6 +68,7 @@ from runtime.train.config import TrainConfig, should_evaluate, step_range
 from runtime.train.evaluate import Evaluator
 from runtime.train.guards import nonfinite_ok
 from runtime.train.loss import per_token_loss
+from runtime.train.memcheck import check_memory
 from runtime.train.model import GPTConfig, check_token_ids
 from runtime.train.preflight import (
     announce_resume,
@@ -240,6 +241,9 @@ class Trainer:
         meta = checkpoint_meta(self.model_config, self.reader)
         try:
             steps = step_range(cfg, self.start, self.reader.num_steps)
+            if cfg.memory_check:  # before the first step (runtime/train/memcheck.py)
+                check_memory(cfg.plan, self.reader, self.model_config, cfg.attention,
+                             self.device, steps)
             logger.begin(len(steps))
             for step in steps:
                 log = self.step(step)

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from planner.fileguard import open_log
+from planner.prediction import StepPrediction
 from runtime.adapters.megatron_lm import LauncherOptions, checkpoint, cpu, flags, mlm, model
 from runtime.adapters.megatron_lm.session import PlanSession
 from runtime.train.runlog import EvalLog, StepLog
@@ -63,6 +64,8 @@ class Launcher:
         self.session = PlanSession(options.plan, options.eval_plan)
         self.args: Any = None
         self.log: IO[str] | None = None
+        self.prediction: StepPrediction | None = None
+        """The plan's simulated seconds per step, for the log's ``predicted_s`` (rank 0)."""
         self._eval_step = 0
         self._eval_reports: list[dict[str, torch.Tensor]] = []
         self._eval_microbatches = 0
@@ -76,6 +79,7 @@ class Launcher:
         """Set every hook (idempotent per process: a second launcher replaces the first's)."""
         if int(os.environ.get("RANK", "0")) == 0 and self.options.log_jsonl:
             self.log = open_log(self.options.log_jsonl, inputs=[self.options.plan])
+            self.prediction = StepPrediction(self.options.plan)
         mlm.no_compile_helpers()
         if self.on_cpu:
             cpu.apply()  # before pretrain(): initialize_megatron asserts CUDA first thing
@@ -289,6 +293,7 @@ class Launcher:
                     tokens=self.session.step_tokens(step), loss_tokens=int(count),
                     microbatches=self.session.num_microbatches(step),
                     seconds=time.perf_counter() - t0, skipped=bool(out[1]),
+                    predicted_s=None if self.prediction is None else self.prediction(step),
                     grad_norm=None if grad_norm is None else float(grad_norm)))
             return out
         return train_step

@@ -189,7 +189,15 @@ def test_zigzag_plan_matches_reference(world: tuple[Path, dict[str, TrainResult]
     _check_against_reference(world, "zigzag")
     lines = (world[0] / "zigzag.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == list(range(STEPS))
-    assert {"step", "loss", "tokens", "seconds", "tokens_per_s"} <= json.loads(lines[0]).keys()
+    assert {"step", "loss", "tokens", "seconds", "predicted_s",
+            "tokens_per_s"} <= json.loads(lines[0]).keys()
+    # Rank 0 of 4 writes the plan's simulated time of each step beside the measured one.
+    from planner import read_plan
+
+    simulated = read_plan(world[0] / "zigzag.arrow").summary().column("simulated_s").to_pylist()
+    for x in lines:
+        d = json.loads(x)
+        assert d["predicted_s"] == pytest.approx(simulated[d["step"]], rel=1e-8)
 
 
 def test_contiguous_plan_matches_reference(world: tuple[Path, dict[str, TrainResult]]) -> None:

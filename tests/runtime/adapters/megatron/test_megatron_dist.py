@@ -98,7 +98,7 @@ def test_dp2_cp2_with_cp_1_2_4(tmp_path: Path) -> None:
     want = [json.loads(x) for x in ref_log.read_text().splitlines()]
     assert [g.keys() for g in got] == [w.keys() for w in want]
     assert {"step", "loss", "tokens", "loss_tokens", "microbatches", "seconds",
-            "tokens_per_s", "grad_norm"} == set(got[0])
+            "predicted_s", "tokens_per_s", "grad_norm"} == set(got[0])
     for g, w in zip(got, want, strict=True):
         assert abs(g["loss"] - w["loss"]) <= 1e-5 * abs(w["loss"])
         assert abs(g["grad_norm"] - w["grad_norm"]) <= 1e-5 * abs(w["grad_norm"])

@@ -79,6 +79,13 @@ def test_pool_of_4_with_cp_1_2_4_cosine_full_recompute_eval(data: dict[str, Path
     got_steps, got_evals = lines(tmp_path / "run.jsonl")
     want_steps, want_evals = lines(tmp_path / "ref.jsonl")
     assert_same_steps(got_steps, want_steps)
+    # Both carry the plan's simulated time of each step beside the measured one.
+    from planner import read_plan
+
+    simulated = read_plan(data["pool4"]).summary().column("simulated_s").to_pylist()
+    for g, w in zip(got_steps, want_steps, strict=True):
+        assert close(g["predicted_s"], simulated[g["step"]], 1e-8), g
+        assert g["predicted_s"] == w["predicted_s"]
     # Evaluations after iterations 2 (the interval) and 3 (the end), Megatron-LM's points.
     assert [e["after_step"] for e in got_evals] == [e["after_step"] for e in want_evals] == [1, 2]
     for g, w in zip(got_evals, want_evals, strict=True):

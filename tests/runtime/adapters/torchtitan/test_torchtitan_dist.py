@@ -168,7 +168,7 @@ def test_rank0_writes_one_json_line_per_step_and_evaluation(
         0, 1, "after 1", 2, "after 2"]
     assert [x["step"] for x in lines] == list(range(STEPS))
     assert {"step", "loss", "tokens", "loss_tokens", "microbatches", "seconds",
-            "tokens_per_s"} <= lines[0].keys()
+            "predicted_s", "tokens_per_s"} <= lines[0].keys()
     assert [x["loss"] for x in lines] == [g.loss for g in world[1]["full"]["logs"]]
 
 
