@@ -25,10 +25,10 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from runtime.adapters.torchtitan.checkpointer import PlanCheckpointManager
 from runtime.adapters.torchtitan.data import PlanDataLoader, PlanTokenizer
 from runtime.adapters.torchtitan.model import llama3_config, model_spec
 from runtime.adapters.torchtitan.titan import (
-    CheckpointManager,
     CommConfig,
     CrossEntropyLoss,
     LRSchedulersContainer,
@@ -104,10 +104,10 @@ def check_titan_start(cfg: TrainConfig, rank: int) -> None:
                           is_ours=is_titan_checkpoint, inputs=run_inputs(cfg))
 
 
-def checkpoint_config(cfg: TrainConfig) -> CheckpointManager.Config:
+def checkpoint_config(cfg: TrainConfig) -> PlanCheckpointManager.Config:
     """torchtitan's checkpointer for ``--save`` / ``--resume`` (see the module docstring)."""
     if not cfg.save and not cfg.resume:
-        return CheckpointManager.Config(enable=False, initial_load_model_only=False)
+        return PlanCheckpointManager.Config(enable=False, initial_load_model_only=False)
     if cfg.resume and latest_checkpoint(cfg.resume) < 0:
         raise ValueError(f"--resume {cfg.resume}: no complete torchtitan checkpoint (step-N with "
                          ".metadata) in it")
@@ -120,7 +120,7 @@ def checkpoint_config(cfg: TrainConfig) -> CheckpointManager.Config:
     initial = ""
     if resume and save != resume:
         initial = os.path.join(resume, f"step-{latest_checkpoint(resume)}")
-    return CheckpointManager.Config(
+    return PlanCheckpointManager.Config(
         enable=True, folder=save or resume, load_only=not save,
         interval=cfg.save_every or 2**31 - 1, last_save_model_only=False,
         initial_load_path=initial or None, initial_load_model_only=False, keep_latest_k=0)
