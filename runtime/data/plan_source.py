@@ -96,8 +96,18 @@ def open_plan_source(reader: PlanReader, paths: Paths, *,
 def check_plan_source(reader: PlanReader, source: TokenSource) -> None:
     """Steps 2 and 3 of the module docstring for a source the caller opened (collective with
     content fingerprints, as ``open_plan_source``)."""
-    reader.check_dataset(source.lengths())
+    reader.check_dataset(source.lengths(), _names(reader, source))
     verify_content(reader, source)
+
+
+def _names(reader: PlanReader, source: TokenSource) -> list[str]:
+    """The files ``source`` read, in the plan's order (a many-file source's names, a single
+    file's own path), which may differ from the paths the plan lists (``--dataset elsewhere``)."""
+    names = [str(n) for n in getattr(source, "names", [])]
+    own = getattr(source, "path", None) or getattr(source, "prefix", None)
+    if not names and len(reader.header.dataset.files) == 1 and own is not None:
+        names = [str(own)]
+    return names or [str(f["path"]) for f in reader.header.dataset.files]
 
 
 def _first_tokens(reader: PlanReader, source: TokenSource) -> None:
@@ -146,13 +156,7 @@ def verify_content(reader: PlanReader, source: TokenSource) -> None:
     if not any(f.get("content_fingerprint") for f in files):
         return
     lengths = np.asarray(source.lengths(), dtype=np.int64)
-    # Name the files read (a many-file source's names, a single file's own path), which
-    # may differ from the paths the plan lists (dcp-train --dataset elsewhere/d.jsonl).
-    names = list(getattr(source, "names", []))
-    own = getattr(source, "path", None) or getattr(source, "prefix", None)
-    if not names and len(files) == 1 and own is not None:
-        names = [str(own)]
-    names = names or [str(f["path"]) for f in files]
+    names = _names(reader, source)
     bounds = np.cumsum([0] + [int(f["num_samples"]) for f in files])
     blocks: list[tuple[int, int, int]] = []  # (file, first sample, end sample), global indices
     for j in range(len(files)):

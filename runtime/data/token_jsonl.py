@@ -2,9 +2,14 @@
 
 The index comes from ``planner.sources.lengths.jsonl_index`` (the same definition of a record as the
 planner's lengths). It is cached as ``<file>.dcpidx`` (npz) beside the file, or in ``cache_dir``
-when that directory is not writable, keyed by the file's size and mtime_ns and the index options,
-and rebuilt when stale. It is written to a temporary name and renamed, so concurrent ranks never
-see half a cache (they may each build it once; the last rename wins, with identical content).
+when that directory is not writable, keyed by the file's identity and the index options, and
+rebuilt when stale. The identity is the device, inode, size, mtime_ns and ctime_ns: ``cp -p``
+over the file (same inode and mtime), ``mv`` of another file onto it (another inode) and
+``touch -r`` (mtime put back) all change it, since no user can set a ctime. A read checks the
+record's token count against the index besides, so an index that still went stale (a file
+system without ctimes) is refused as a changed file, never read as a prefix of other records.
+The cache is written to a temporary name and renamed, so concurrent ranks never see half a
+cache (they may each build it once; the last rename wins, with identical content).
 A read decodes only its record's line with ``json.loads``: the slowest source (whole line per
 read, even for a short segment of a long sample).
 """
@@ -57,8 +62,10 @@ class JsonlTokens:
         self.skip_bad_records = skip_bad_records
         self.cache_dir = None if cache_dir is None else Path(cache_dir)
         st = os.stat(self.path)
+        self._stat = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         self._key = json.dumps({"version": INDEX_VERSION, "size": st.st_size,
-                                "mtime_ns": st.st_mtime_ns, "field": field,
+                                "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
+                                "dev": st.st_dev, "ino": st.st_ino, "field": field,
                                 "skip_bad_records": skip_bad_records}, sort_keys=True)
         self.index_built = False
         """True when this instance had to build the index (no valid cache was found)."""
@@ -148,14 +155,34 @@ class JsonlTokens:
         try:
             toks = _record_tokens(line, self.field)
         except ValueError as e:
+            if self._changed():
+                raise ValueError(self._changed()) from None
             raise ValueError(f"{self.path}: record of sample {sample_index} "
                              f"({self._where(sample_index)}) does not decode: {e}") from None
+        want = int(self._lengths[sample_index])
+        if len(toks) != want and not (want == 0 and self.skip_bad_records):
+            raise ValueError(self._changed() or (
+                f"{self.path}: record of sample {sample_index} ({self._where(sample_index)}) "
+                f"holds {len(toks)} tokens, its index says {want}: the file changed since it "
+                "was indexed; this is not the dataset the plan was made for"))
         try:
             return np.asarray(toks[offset:offset + length], dtype=np.int64)
         except (OverflowError, TypeError, ValueError) as e:
             raise ValueError(f"{self.path}: record of sample {sample_index} "
                              f"({self._where(sample_index)}) holds a token that is not an int64 "
                              f"token id ({e})") from None
+
+    def _changed(self) -> str:
+        """A message naming the file if it is no longer the one indexed (replaced, edited,
+        truncated), else ''."""
+        try:
+            st = os.stat(self.path)
+        except OSError as e:
+            return f"{self.path}: gone since it was opened ({e.strerror})"
+        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) != self._stat:
+            return (f"{self.path}: the file changed while it was read (replaced or edited); "
+                    "this is not the dataset the plan was made for")
+        return ""
 
     def _where(self, sample_index: int) -> str:
         """``line L, byte B`` of a sample's record; counts the newlines before it, so it is
