@@ -23,11 +23,12 @@ from __future__ import annotations
 import glob
 import math
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["DataFile", "blend_counts", "expand_paths", "parse_data_path"]
+__all__ = ["DataFile", "blend_counts", "expand_paths", "parse_data_path", "plan_items"]
 
 _GLOB_CHARS = frozenset("*?[")
 INDEX_CACHE_SUFFIXES = (".dcpidx", ".dcptok")
@@ -94,6 +95,23 @@ def parse_data_path(items: Sequence[str]) -> tuple[list[str], list[float] | None
     return paths, weights
 
 
+_ESCAPED = re.compile(r"\[([*?[])\]")
+
+
+def plan_items(files: Sequence[dict[str, object]], path: str) -> tuple[str, ...]:
+    """A plan header's dataset (``dataset.files``, else format 1's ``dataset.path``) as
+    ``expand_paths`` items: each stored file is that file, never a pattern (its glob
+    characters escaped), so ``star[1].jsonl`` moved away is missing, not ``star1.jsonl``."""
+    return tuple(glob.escape(str(f["path"])) for f in files) or (path,)
+
+
+def _unescaped(item: str) -> str | None:
+    """The file an item names whose every glob character is escaped (``glob.escape``'s
+    ``[*]``, ``[?]``, ``[[]``): a literal path, never a pattern; else None."""
+    plain = _ESCAPED.sub(r"\1", item)
+    return plain if plain != item and glob.escape(plain) == item else None
+
+
 def _is_dataset_file(p: Path, suffixes: Sequence[str]) -> bool:
     name = p.name
     if name.startswith(".") or name.endswith(INDEX_CACHE_SUFFIXES) or not p.is_file():
@@ -145,10 +163,12 @@ def expand_paths(items: Sequence[str], suffixes: Sequence[str],
     out: list[tuple[str, int]] = []
     for g, item in enumerate(items):
         item = os.fspath(item)
+        plain = _unescaped(item)
+        item = item if plain is None else plain
         expanded = True
         if os.path.isdir(item):
             files = _directory(item, suffixes)
-        elif os.path.lexists(item) or os.path.isfile(f"{item}.idx") or not (
+        elif plain is not None or os.path.lexists(item) or os.path.isfile(f"{item}.idx") or not (
                 _GLOB_CHARS & set(item)):
             check_input(item, "a dataset file")
             if _is_plan(item):
@@ -171,14 +191,30 @@ def expand_paths(items: Sequence[str], suffixes: Sequence[str],
                 raise ValueError(f"{item}: holds only dcp plans ({', '.join(plans)}), no "
                                  "dataset file")
         out.extend((f, g) for f in files)
-    seen: dict[str, str] = {}
+    seen: dict[object, str] = {}
     for f, _ in out:
-        key = os.path.realpath(f)
+        key = _identity(f)
         if key in seen:
             raise ValueError(f"{f}: the same file is given twice (as {seen[key]!r} too); a "
                              "dataset lists each file once")
         seen[key] = f
     return out
+
+
+def _identity(f: str) -> object:
+    """What makes two names one dataset file: the device and inode (hard links, symlinks,
+    other spellings), a Megatron pair's ``.idx`` for the pair (``m``, ``m.idx``, ``m.bin``)."""
+    lower = f.lower()
+    pair = f[:-4] + ".idx" if lower.endswith((".bin", ".idx")) else f + ".idx"
+    for name in (pair, f):
+        try:
+            st = os.stat(name)
+        except OSError:
+            continue
+        if name == f or os.path.isfile(name) and (lower.endswith((".bin", ".idx"))
+                                                  or not os.path.isfile(f)):
+            return (st.st_dev, st.st_ino)
+    return os.path.realpath(f)
 
 
 def blend_counts(weights: Sequence[float], global_batch_size: int) -> list[int]:

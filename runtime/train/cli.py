@@ -215,13 +215,14 @@ def _megatron_options(a: argparse.Namespace) -> MegatronOptions:
 def _plan_datasets(parser: argparse.ArgumentParser, plan: str) -> tuple[str, ...]:
     """The dataset files a plan's header lists (format 2), or its one path (format 1)."""
     from planner.planfile.io import PlanFile
+    from planner.sources.dataset import plan_items
 
     try:
         with PlanFile(plan) as f:
             d = f.header.dataset
     except (OSError, ValueError) as e:
         parser.error(f"--plan: {e}")
-    return tuple(str(x["path"]) for x in d.files) or (d.path,)
+    return plan_items(d.files, d.path)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, GPTConfig, bool, str]:

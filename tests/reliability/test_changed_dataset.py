@@ -113,3 +113,39 @@ def test_a_record_that_disagrees_with_its_index_is_a_changed_file(tmp_path: Path
         assert stale.read(1, 0, 3).tolist() == [1, 2, 3]
     finally:
         stale.close()
+
+
+def test_a_stored_path_is_a_file_never_a_pattern(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """``star[1].jsonl`` planned, moved away, ``star1.jsonl`` (what the name matches as a glob)
+    present: ``dcp-train`` without ``--dataset`` reads the plan's file, which is missing."""
+    star = tmp_path / "star[1].jsonl"
+    star.write_text(TWO * 24)
+    plan = tmp_path / "p.arrow"
+    assert plan_main([str(star), "-o", str(plan), *PLAN]) == 0
+    (tmp_path / "star1.jsonl").write_text(TWO * 24)
+    star.rename(tmp_path / "away.jsonl")
+    assert train_main(["--plan", str(plan), *TRAIN_FLAGS, "--steps", "1"]) == 2
+    err = stderr_of(capsys)
+    assert f"{star}: no such file" in err
+    assert "star1.jsonl" not in err
+    (tmp_path / "away.jsonl").rename(star)  # back: it trains from the stored name
+    assert train_main(["--plan", str(plan), *TRAIN_FLAGS, "--steps", "1"]) == 0
+
+
+def test_one_dataset_named_twice_is_refused(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """``dcp-plan m.idx m.bin``, ``m m.idx`` and a hard link were counted twice (rc 0)."""
+    from planner.sources.lengths import write_megatron_dataset
+
+    write_megatron_dataset(tmp_path / "m", [[1, 2, 3]] * 8)
+    data = tmp_path / "d.jsonl"
+    data.write_text(TWO * 8)
+    os.link(data, tmp_path / "hard.jsonl")
+    for pair in (("m.idx", "m.bin"), ("m", "m.idx"), ("m.bin", "m"),
+                 ("d.jsonl", "hard.jsonl")):
+        argv = [str(tmp_path / pair[0]), str(tmp_path / pair[1]), "-o",
+                str(tmp_path / "p.arrow"), *PLAN]
+        assert plan_main(argv) == 2, pair
+        err = stderr_of(capsys)
+        assert f"{tmp_path / pair[1]}: the same file is given twice" in err, err

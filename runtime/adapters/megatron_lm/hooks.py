@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from planner.fileguard import open_log
+from planner.sources.dataset import plan_items
 from runtime.adapters.megatron_lm import LauncherOptions, checkpoint, cpu, flags, mlm, model
 from runtime.adapters.megatron_lm.session import PlanSession
 from runtime.train.runlog import EvalLog, StepLog
@@ -365,7 +366,7 @@ def _data_path_files(data_path: list[str], reader: Any, given: tuple[str, ...]
         raise ValueError(f"--data-path {' '.join(data_path)}: the plan {reader.path} was made "
                          f"for {' '.join(files)} (the plan's data is read through the plan; "
                          "--data-path may only name the same files)")
-    return tuple(files)
+    return plan_items(reader.header.dataset.files, reader.header.dataset.path)
 
 
 def _is_number(text: str) -> bool:
