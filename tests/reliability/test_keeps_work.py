@@ -1,0 +1,44 @@
+"""A run never loses its work (issue 32, item 3).
+
+Before: ``dcp-train --save ckp --steps 4 | head -1`` stopped at step 1 with ``[Errno 32] Broken
+pipe`` and saved nothing; 1,100 JSONL shards under ``ulimit -n 1024`` failed ``Too many open
+files`` (a descriptor held per shard), naming no file; SIGHUP, SIGQUIT and SIGUSR1 during
+``dcp-plan`` left its ``.NAME.spill-PID`` behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from planner.cli import main as plan_main
+from tests.reliability.helpers import ROOT, TRAIN_FLAGS, no_traceback, pool1_plan, write_token_jsonl
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def test_a_closed_stdout_stops_the_printing_not_the_training(tmp_path: Path) -> None:
+    data = write_token_jsonl(tmp_path / "d.jsonl")
+    plan = pool1_plan(plan_main, data, tmp_path / "p.arrow")
+    log = tmp_path / "steps.jsonl"
+    argv = [sys.executable, "-m", "runtime.train", "--plan", str(plan), "--dataset", str(data),
+            *TRAIN_FLAGS[:-1], "--steps", "4", "--save", str(tmp_path / "ckp"), "--save-every",
+            "2", "--log-jsonl", str(log)]
+    # `| head -1`: the reader takes one line and goes away.
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path,
+                            env=ENV)
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 0, err
+    assert json.loads(first)["step"] == 0
+    assert no_traceback(err), err
+    assert "Broken pipe" not in err
+    assert "stdout was closed" in err
+    assert "dcp-train: 4 steps" in err  # the summary still goes to stderr
+    assert (tmp_path / "ckp" / "latest").read_text().strip() == "step-00000004"
+    assert [json.loads(x)["step"] for x in log.read_text().splitlines()] == [0, 1, 2, 3]
