@@ -17,11 +17,15 @@ read, even for a short segment of a long sample).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
+import itertools
 import json
 import os
 import tempfile
+import threading
 import warnings
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -80,7 +84,8 @@ class JsonlTokens:
             self.index_built = True
             self._write_cache(*loaded)
         self._offsets, self._nbytes, self._lengths = loaded
-        self._file = open(self.path, "rb")  # noqa: SIM115 (closed in close())
+        self._fd_key = -1
+        _FILES.open(self)  # the file as indexed, or a ValueError naming it
 
     def _candidates(self) -> list[Path]:
         beside = self.path.with_name(self.path.name + INDEX_SUFFIX)
@@ -150,8 +155,8 @@ class JsonlTokens:
 
     def read(self, sample_index: int, offset: int, length: int) -> NDArray[np.int64]:
         check_read(str(self.path), self._lengths, sample_index, offset, length)
-        line = os.pread(self._file.fileno(), int(self._nbytes[sample_index]),
-                        int(self._offsets[sample_index]))
+        line = _FILES.pread(self, int(self._nbytes[sample_index]),
+                            int(self._offsets[sample_index]))
         try:
             toks = _record_tokens(line, self.field)
         except ValueError as e:
@@ -199,7 +204,76 @@ class JsonlTokens:
         return f"line {newlines + 1}, byte {offset}"
 
     def close(self) -> None:
-        self._file.close()
+        _FILES.close(self)
+
+
+class _OpenFiles:
+    """The descriptors of open ``JsonlTokens``, at most ``limit`` at a time in the process
+    (least recently read closed first, reopened on the next read): a dataset of 1,100 shards
+    trains under ``ulimit -n 1024``. A reopened file must be the one indexed (device, inode,
+    size, mtime, ctime), else the read is refused as a changed file; a failed open names the
+    file and the cause."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._fds: OrderedDict[int, int] = OrderedDict()  # source's key -> descriptor
+        self._lock = threading.Lock()
+        self._keys = itertools.count()
+
+    def _fd(self, source: JsonlTokens) -> int:
+        key = source._fd_key
+        fd = self._fds.get(key)
+        if fd is not None:
+            self._fds.move_to_end(key)
+            return fd
+        while len(self._fds) >= min(self.limit, _quarter_of_nofile()):
+            os.close(self._fds.popitem(last=False)[1])
+        try:
+            fd = os.open(source.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            hint = (" (too many open files: raise ulimit -n)" if e.errno == errno.EMFILE
+                    else "")
+            raise ValueError(f"{source.path}: cannot open: {e.strerror}{hint}") from None
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) != source._stat:
+            os.close(fd)
+            raise ValueError(f"{source.path}: the file changed since it was indexed (replaced "
+                             "or edited); this is not the dataset the plan was made for")
+        self._fds[key] = fd
+        return fd
+
+    def open(self, source: JsonlTokens) -> None:
+        with self._lock:
+            source._fd_key = next(self._keys)  # never reused (an id() would be, after GC)
+            self._fd(source)
+
+    def pread(self, source: JsonlTokens, size: int, offset: int) -> bytes:
+        with self._lock:  # an eviction never closes a descriptor another thread reads
+            return os.pread(self._fd(source), size, offset)
+
+    def close(self, source: JsonlTokens) -> None:
+        with self._lock:
+            fd = self._fds.pop(source._fd_key, None)
+            if fd is not None:
+                os.close(fd)
+
+
+def _quarter_of_nofile() -> int:
+    """A quarter of this process's open-files limit (``ulimit -n``), at least 4: the rest is
+    for torch, the process group, the plan and the other sources."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return OPEN_FILES_LIMIT
+    return OPEN_FILES_LIMIT if soft == resource.RLIM_INFINITY else max(4, soft // 4)
+
+
+OPEN_FILES_LIMIT = 64
+"""How many JSONL files the runtime holds open at once at most (``_OpenFiles``; fewer under a
+small ``ulimit -n``)."""
+_FILES = _OpenFiles(OPEN_FILES_LIMIT)
 
 
 def decode_compressed_jsonl(path: str | os.PathLike[str], *, field: str | None = None,

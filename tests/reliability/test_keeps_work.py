@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from planner.cli import main as plan_main
 from tests.reliability.helpers import ROOT, TRAIN_FLAGS, no_traceback, pool1_plan, write_token_jsonl
@@ -30,7 +33,8 @@ def test_a_closed_stdout_stops_the_printing_not_the_training(tmp_path: Path) -> 
     # `| head -1`: the reader takes one line and goes away.
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path,
                             env=ENV)
-    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout is not None
+    assert proc.stderr is not None
     first = proc.stdout.readline()
     proc.stdout.close()
     err = proc.stderr.read().decode()
@@ -42,3 +46,28 @@ def test_a_closed_stdout_stops_the_printing_not_the_training(tmp_path: Path) -> 
     assert "dcp-train: 4 steps" in err  # the summary still goes to stderr
     assert (tmp_path / "ckp" / "latest").read_text().strip() == "step-00000004"
     assert [json.loads(x)["step"] for x in log.read_text().splitlines()] == [0, 1, 2, 3]
+
+
+def _nofile(limit: int) -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+
+@pytest.mark.parametrize(("shards", "nofile"), [(300, 256), (40, 48)])
+def test_many_jsonl_shards_train_under_a_small_open_files_limit(tmp_path: Path, shards: int,
+                                                                nofile: int) -> None:
+    """300 shards under ``ulimit -n 256`` (the issue's 1,100 under 1,024, smaller), 40 under
+    48: the runtime holds at most ``OPEN_FILES_LIMIT`` JSONL files open, fewer than a quarter
+    of the limit."""
+    d = tmp_path / "shards"
+    d.mkdir()
+    for i in range(shards):
+        (d / f"s{i:04d}.jsonl").write_text('{"input_ids": [1, 2, 3, 4]}\n' * 2)
+    plan = tmp_path / "p.arrow"
+    assert plan_main([str(d), "-o", str(plan), "--dp", "1", "--cp", "1",
+                      "--max-tokens-per-rank", "64", "--global-batch-size", "8", "--quiet"]) == 0
+    argv = [sys.executable, "-m", "runtime.train", "--plan", str(plan), "--dataset", str(d),
+            *TRAIN_FLAGS, "--steps", "2"]
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env=ENV,
+                          timeout=300, preexec_fn=lambda: _nofile(nofile))
+    assert done.returncode == 0, done.stderr
+    assert no_traceback(done.stderr)
