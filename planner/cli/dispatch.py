@@ -3,7 +3,8 @@
 The first word picks the subcommand (``validate``, ``show``, ``plan``, ``compare``, ``report``);
 anything else is the default, ``plan``. User errors (``ValueError``, ``OSError``,
 ``EngineError``) print one line naming the flag, file or sample and exit 2, never a traceback;
-SIGTERM and Ctrl-C exit 128 + the signal after the writer's cleanup; a reader that leaves a
+SIGTERM, SIGHUP, SIGQUIT, SIGUSR1 (``guard.ENDING_SIGNALS``) and Ctrl-C exit 128 + the signal
+after the writer's cleanup; a reader that leaves a
 pipe (``dcp-plan show ... | head``) is not an error.
 """
 
@@ -12,10 +13,11 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from typing import Any
 
 from planner.cli.args import flag_message
 from planner.cli.flags import FLAGS
-from planner.cli.guard import Terminated, interrupting_signal, terminate
+from planner.cli.guard import Terminated, interrupting_signal, signals_raise, terminate
 from planner.cli.plan import cmd_plan
 from planner.cli.show import cmd_show
 from planner.cli.validate import cmd_validate
@@ -34,7 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     cmd = cmd_plan
     if argv and argv[0] in commands:
         cmd = commands[argv.pop(0)]
-    previous = signal.signal(signal.SIGTERM, terminate)
+    with signals_raise(terminate):
+        return _run(cmd, argv)
+
+
+def _run(cmd: Any, argv: list[str]) -> int:
     try:
         return cmd(argv)
     except BrokenPipeError:  # `dcp-plan show ... | head`: the reader left; not an error
@@ -52,8 +58,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: interrupted by {signal.Signals(signum).name}; no plan written",
               file=sys.stderr)
         return 128 + signum
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def entry() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -71,3 +72,37 @@ def test_many_jsonl_shards_train_under_a_small_open_files_limit(tmp_path: Path, 
                           timeout=300, preexec_fn=lambda: _nofile(nofile))
     assert done.returncode == 0, done.stderr
     assert no_traceback(done.stderr)
+
+
+# dcp-plan in its own process, stalled after its first step reached the spill file.
+_PLANNER = """
+import sys, time
+import planner.planfile.io as io
+from planner.cli import dispatch
+batch = io.step_batch
+def slow(*a, **k):
+    print("spilling", flush=True)
+    time.sleep(60)
+    return batch(*a, **k)
+io.step_batch = slow
+sys.exit(dispatch.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1])
+def test_every_ending_signal_removes_the_spill(tmp_path: Path, sig: int) -> None:
+    data = write_token_jsonl(tmp_path / "d.jsonl")
+    out = tmp_path / "p.arrow"
+    proc = subprocess.Popen([sys.executable, "-c", _PLANNER, str(data), "-o", str(out), "--dp",
+                             "1", "--cp", "1", "--max-tokens-per-rank", "256",
+                             "--global-batch-size", "6", "--quiet"], cwd=tmp_path, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "spilling"
+    assert [p.name for p in tmp_path.iterdir() if ".spill-" in p.name]  # under way
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, err
+    assert f"interrupted by {signal.Signals(sig).name}; no plan written" in err
+    assert no_traceback(err), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl"]
