@@ -8,8 +8,9 @@ file's records are samples 0..n0-1, the second's follow, ...). The order, docume
    (``'shards/*.jsonl.zst'``, quoted so the shell leaves it) for the files it matches; either is
    sorted by path, by code point (zero-padded shard numbers sort as numbers do). A directory's
    Megatron pair ``x.bin``/``x.idx`` is one file, ``x``; hidden files and ``.dcpidx`` index caches
-   are not dataset files, nor are dcp plans (left out with a notice: a plan written into a
-   dataset's directory must not become data of the next plan).
+   are not dataset files, nor are this tool's own outputs: dcp plans, JSON summaries
+   (``--summary-json``) and ``dcp-train --log-jsonl`` logs (left out with a notice: an output
+   written into a dataset's directory must not become data of the next plan or run).
 
 The same file twice is an error (it would be two samples of one record). Megatron's
 ``--data-path`` may interleave weights: ``0.3 A 0.7 B`` (Megatron-core's rule: if the first item
@@ -142,6 +143,27 @@ def _is_plan(path: str) -> bool:
     return is_plan_file(path)
 
 
+def _own_output(path: str) -> str:
+    """What this tool wrote, if ``path`` is one of its outputs (a dcp plan, a ``--summary-json``
+    JSON summary or cost model, a ``dcp-train --log-jsonl`` log), else ''."""
+    if _is_plan(path):
+        return "a dcp plan"
+    if not path.lower().endswith((".json", ".jsonl")):
+        return ""
+    from planner.fileguard.kinds import KINDS
+
+    try:
+        if os.path.getsize(path) == 0:
+            return ""  # an empty file is nobody's output: an empty dataset file
+    except OSError:
+        return ""
+    if KINDS["summary"].own(Path(path)):
+        return "a JSON summary (--summary-json)"
+    if KINDS["log"].own(Path(path)):
+        return "a dcp-train log (--log-jsonl)"
+    return ""
+
+
 def expand_paths(items: Sequence[str], suffixes: Sequence[str],
                  notice: Callable[[str], None] | None = None) -> list[tuple[str, int]]:
     """Every file of the dataset, in order, each with the index of the item it came from.
@@ -181,15 +203,17 @@ def expand_paths(items: Sequence[str], suffixes: Sequence[str],
             if not files:
                 raise ValueError(f"{item}: no dataset file matches this pattern"
                                  + (f" ({len(matched)} other files do)" if matched else ""))
-        plans = [f for f in files if _is_plan(f)] if expanded else []
-        if plans:
-            files = [f for f in files if f not in plans]
+        own = {f: what for f in files if (what := _own_output(f))} if expanded else {}
+        if own:
+            files = [f for f in files if f not in own]
             if notice is not None:
-                for f in plans:
-                    notice(f"{f}: a dcp plan in {item!r}, not a dataset file: left out")
+                for f, what in own.items():
+                    notice(f"{f}: {what} in {item!r}, not a dataset file: left out")
             if not files:
-                raise ValueError(f"{item}: holds only dcp plans ({', '.join(plans)}), no "
-                                 "dataset file")
+                what = ("dcp plans" if set(own.values()) == {"a dcp plan"}
+                        else "this tool's outputs")
+                raise ValueError(f"{item}: holds only {what} ({', '.join(own)}), no dataset "
+                                 "file")
         out.extend((f, g) for f in files)
     seen: dict[object, str] = {}
     for f, _ in out:

@@ -106,3 +106,36 @@ def test_every_ending_signal_removes_the_spill(tmp_path: Path, sig: int) -> None
     assert f"interrupted by {signal.Signals(sig).name}; no plan written" in err
     assert no_traceback(err), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl"]
+
+
+def test_the_tools_own_outputs_in_a_dataset_directory_are_left_out(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--summary-json ds/s.json`` and ``--log-jsonl ds/steps.jsonl`` inside the dataset's
+    directory: the next plan of ``ds`` read them as data (110 samples with
+    ``--skip-bad-records``). Now both readers leave them out, naming them."""
+    from runtime.train.cli import main as train_main
+
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    write_token_jsonl(ds / "d.jsonl")  # 24 samples
+    flags = ["--dp", "1", "--cp", "1", "--max-tokens-per-rank", "256", "--global-batch-size",
+             "6", "--quiet", "--skip-bad-records"]
+    plan = tmp_path / "p.arrow"
+    assert plan_main([str(ds), "-o", str(plan), *flags, "--summary-json",
+                      str(ds / "s.json")]) == 0
+    assert train_main(["--plan", str(plan), "--dataset", str(ds), *TRAIN_FLAGS, "--steps", "1",
+                       "--log-jsonl", str(ds / "steps.jsonl")]) == 0
+    capsys.readouterr()
+    again = tmp_path / "again.arrow"
+    assert plan_main([str(ds), "-o", str(again), *flags, "--summary-json",
+                      str(tmp_path / "s2.json")]) == 0
+    err = capsys.readouterr().err
+    assert f"{ds / 's.json'}: a JSON summary (--summary-json) in {str(ds)!r}, not a dataset " \
+        "file: left out" in err
+    assert f"{ds / 'steps.jsonl'}: a dcp-train log (--log-jsonl) in" in err
+    summary = json.loads((tmp_path / "s2.json").read_text())
+    assert summary["dataset"]["num_samples"] == 24
+    assert [f["path"] for f in summary["dataset"]["files"]] == [str(ds / "d.jsonl")]
+    assert summary["skipped_bad_records"] == 0
+    assert train_main(["--plan", str(again), "--dataset", str(ds), *TRAIN_FLAGS, "--steps",
+                       "1"]) == 0
