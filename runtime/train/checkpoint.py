@@ -58,6 +58,7 @@ from runtime.train.savetarget import (
     STATE_FILE,
     STEP_DIR,
     agree,
+    check_continues,
     check_save_target,
     is_checkpoint_dir,
     native_saves,
@@ -66,8 +67,8 @@ from runtime.train.savetarget import (
 )
 
 __all__ = ["FORMAT", "LATEST_FILE", "MANIFEST_FILE", "STATE_FILE", "STEP_DIR", "Resumed",
-           "check_save_target", "config_meta", "is_checkpoint_dir", "load", "native_saves",
-           "resolve", "save", "step_dir_name", "verify"]
+           "check_continues", "check_save_target", "config_meta", "is_checkpoint_dir", "load",
+           "native_saves", "resolve", "resolve_agreed", "save", "step_dir_name", "verify"]
 
 FORMAT = 3
 """3: RNG files hold tensors and numbers only. 2 (numpy RNG state as an array) and 1
@@ -214,6 +215,26 @@ def resolve(directory: str | os.PathLike[str]) -> Path:
     if not name.startswith("step-") or "/" in name or not (path / name).is_dir():
         raise ValueError(f"{latest}: names {name!r}, which is not a checkpoint in {path}")
     return path / name
+
+
+def resolve_agreed(directory: str | os.PathLike[str], rank: int,
+                   group: dist.ProcessGroup | None = None) -> Path:
+    """``resolve`` on rank 0 only, its answer (or its error) given to every rank (collective
+    over ``group``): while ``latest`` moves (another run saving), every rank still loads the
+    one checkpoint rank 0 chose."""
+    answer: list[Any] = [None]
+    if rank == 0:
+        try:
+            answer[0] = ("ok", str(resolve(directory)))
+        except ValueError as e:
+            answer[0] = ("error", str(e))
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.broadcast_object_list(answer, src=dist.get_global_rank(group, 0) if group
+                                   else 0, group=group)
+    status, text = answer[0]
+    if status != "ok":
+        raise ValueError(text)
+    return Path(text)
 
 
 def verify(directory: Path, rank: int) -> dict[str, Any] | None:

@@ -126,6 +126,9 @@ def _parser() -> argparse.ArgumentParser:
                    default=0, help="also checkpoint every N steps (0: only at the end)")
     p.add_argument("--resume", "--load", dest="resume", default="",
                    help="checkpoint directory to continue from")
+    p.add_argument("--replace-checkpoints", action="store_true",
+                   help="let --save replace checkpoints of another run in its directory, or "
+                   "move its latest back to an earlier step (refused without this flag)")
     p.add_argument("--quiet", action="store_true",
                    help="no per-step lines, no progress bar, no text summary")
     p.add_argument("--verbose", action="store_true",
@@ -251,6 +254,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, GPTConfi
                           lr=a.lr, weight_decay=a.weight_decay, verbose=a.verbose,
                           log_jsonl=a.log_jsonl,
                           save=a.save, save_every=a.save_every, resume=a.resume, quiet=a.quiet,
+                          replace_checkpoints=a.replace_checkpoints,
                           json=a.json, summary_json=a.summary_json,
                           eval_plan=a.eval_plan, eval_dataset=a.eval_dataset,
                           eval_interval=a.eval_interval, eval_steps=a.eval_steps,

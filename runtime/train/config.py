@@ -67,6 +67,9 @@ class TrainConfig:
     """Steps between checkpoints; 0: only at the end."""
     resume: str = ""
     """Checkpoint directory to continue from."""
+    replace_checkpoints: bool = False
+    """Let ``save`` replace another run's checkpoints in its directory, or move its ``latest``
+    back to an earlier step; refused otherwise (``checkpoint.check_continues``)."""
     quiet: bool = False
     """Do not print the per-step lines."""
     eval_plan: str = ""
