@@ -29,7 +29,13 @@ import numpy as np
 from numpy.typing import NDArray
 
 from planner.planfile.io import PlanFile
-from planner.planfile.schema import COLUMN_NAMES, PlanHeader, column_numpy, fingerprint_lengths
+from planner.planfile.schema import (
+    COLUMN_NAMES,
+    TRAIN_COMMAND,
+    PlanHeader,
+    column_numpy,
+    fingerprint_lengths,
+)
 from planner.planfile.validate import validate as validate_plan
 
 if TYPE_CHECKING:
@@ -165,7 +171,7 @@ class PlanReader:
         if (topology.world_size != p.pool_size * p.tp * p.pp
                 or topology.dp * topology.cp != p.pool_size
                 or topology.tp != p.tp or topology.pp != p.pp):
-            hint = (f": launch {p.launch_hint()}" if topology.world_size != p.world_size
+            hint = (f": launch {p.launch_hint(TRAIN_COMMAND)}" if topology.world_size != p.world_size
                     else "")
             raise ValueError(f"{self.path}: plan built for {want}, got {got}{hint}")
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from planner.planfile.schema import ParallelInfo
+from planner.planfile.schema import TRAIN_COMMAND, ParallelInfo
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,7 +114,7 @@ class Topology:
             raise ValueError(
                 f"plan built for world_size={expected} (dp={parallel.dp}, cp={parallel.cp}, "
                 f"tp={parallel.tp}, pp={parallel.pp}), got {world_size}: launch "
-                f"{parallel.launch_hint()}"
+                f"{parallel.launch_hint(TRAIN_COMMAND)}"
             )
         return cls(
             world_size=world_size,
