@@ -139,3 +139,21 @@ def test_the_tools_own_outputs_in_a_dataset_directory_are_left_out(
     assert summary["skipped_bad_records"] == 0
     assert train_main(["--plan", str(again), "--dataset", str(ds), *TRAIN_FLAGS, "--steps",
                        "1"]) == 0
+
+
+@pytest.mark.parametrize("value", ["inf", "1e308", "nan", "0"])
+def test_an_impossible_timeout_is_a_message(tmp_path: Path, value: str,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """``--distributed-timeout-minutes inf`` / ``1e308``: an OverflowError traceback."""
+    from runtime.train.cli import main as train_main
+
+    data = write_token_jsonl(tmp_path / "d.jsonl")
+    plan = pool1_plan(plan_main, data, tmp_path / "p.arrow")
+    with pytest.raises(SystemExit) as done:
+        train_main(["--plan", str(plan), "--dataset", str(data), *TRAIN_FLAGS, "--steps", "1",
+                    "--distributed-timeout-minutes", value])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert no_traceback(err)
+    assert "--distributed-timeout-minutes must be > 0 and at most 525600 (about a year), got " \
+        in err
