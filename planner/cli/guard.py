@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -158,4 +159,10 @@ def default_output(item: str) -> Path:
 
     name = Path(strip_compression(item.rstrip("/")))
     stem = name.stem if name.suffix else name.name
+    if set("*?[") & set(item):
+        # A glob: its literal part ('shard-*.jsonl' -> shard), else the nearest directory
+        # without a pattern ('ds/*.jsonl' -> ds); never a file literally named '*.arrow'.
+        stem = re.sub(r"\[[^\]]*\]|[*?\[\]]", "", stem).strip("-_. ")
+        parents = [p.name for p in name.parents if p.name and not set("*?[") & set(p.name)]
+        stem = stem or (parents[0] if parents else "")
     return Path("plans") / f"{stem or 'plan'}.arrow"

@@ -1,0 +1,29 @@
+"""Messages and defaults that say what happened (issue 32, item 5).
+
+Before: a glob dataset with the default output wrote a file literally named ``plans/*.arrow``;
+``dcp-plan compare`` hinted at ``--cp-sizes``, which it does not have.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from planner.cli import main as plan_main
+from tests.reliability.helpers import write_token_jsonl
+
+
+def test_a_glob_dataset_gets_a_plan_named_after_it(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    write_token_jsonl(ds / "shard-0.jsonl")
+    write_token_jsonl(ds / "shard-1.jsonl", seed=1)
+    monkeypatch.chdir(tmp_path)
+    flags = ["--dp", "1", "--cp", "1", "--max-tokens-per-rank", "256", "--global-batch-size",
+             "6", "--quiet"]
+    assert plan_main([os.path.join("ds", "*.jsonl"), *flags]) == 0
+    assert plan_main([os.path.join("ds", "shard-*.jsonl"), *flags]) == 0
+    assert sorted(p.name for p in (tmp_path / "plans").iterdir()) == ["ds.arrow", "shard.arrow"]
