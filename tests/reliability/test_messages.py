@@ -27,3 +27,14 @@ def test_a_glob_dataset_gets_a_plan_named_after_it(tmp_path: Path,
     assert plan_main([os.path.join("ds", "*.jsonl"), *flags]) == 0
     assert plan_main([os.path.join("ds", "shard-*.jsonl"), *flags]) == 0
     assert sorted(p.name for p in (tmp_path / "plans").iterdir()) == ["ds.arrow", "shard.arrow"]
+
+
+def test_compare_hints_only_at_its_own_flags(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """``dcp-plan compare`` hinted at ``--cp-sizes``, which it does not have."""
+    data = write_token_jsonl(tmp_path / "d.jsonl")
+    assert plan_main(["compare", str(data), "--pools", "4", "--max-tokens-per-rank", "1",
+                      "--global-batch-size", "6"]) == 2
+    err = capsys.readouterr().err
+    assert "raise --max-tokens-per-rank to at least 8 or compare smaller --pools" in err
+    assert "--cp-sizes" not in err
