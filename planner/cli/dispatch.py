@@ -15,7 +15,7 @@ import signal
 import sys
 from typing import Any
 
-from planner.cli.args import flag_message
+from planner.cli.args import error_text, flag_message
 from planner.cli.flags import FLAGS
 from planner.cli.guard import Terminated, interrupting_signal, signals_raise, terminate
 from planner.cli.plan import cmd_plan
@@ -47,7 +47,7 @@ def _run(cmd: Any, argv: list[str]) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except (ValueError, OSError, EngineError) as e:
-        print(f"{PROG}: error: {flag_message(str(e), FLAGS)}", file=sys.stderr)
+        print(f"{PROG}: error: {flag_message(error_text(e), FLAGS)}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, Terminated, SystemError) as e:
         # The writer's cleanup ran on the way out (temporary files removed, nothing renamed).

@@ -32,6 +32,7 @@ from planner.cli.args import (
     HelpFormatter,
     add_json_arguments,
     add_version,
+    error_text,
     flag_message,
     nonnegative_int,
     refuse,
@@ -332,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             finally:
                 trainer.close()
     except (ValueError, OSError) as e:
-        print(f"dcp-train: error: {flag_message(str(e), TRAIN_FLAGS)}", file=sys.stderr)
+        print(f"dcp-train: error: {flag_message(error_text(e), TRAIN_FLAGS)}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, Terminated) as e:
         signum = e.signum if isinstance(e, Terminated) else signal.SIGINT

@@ -38,3 +38,26 @@ def test_compare_hints_only_at_its_own_flags(tmp_path: Path,
     err = capsys.readouterr().err
     assert "raise --max-tokens-per-rank to at least 8 or compare smaller --pools" in err
     assert "--cp-sizes" not in err
+
+
+def test_a_deleted_working_directory_is_named(tmp_path: Path) -> None:
+    """``dcp-plan /abs/d.jsonl`` (default output ``plans/d.arrow``, relative) from a working
+    directory deleted under the shell: ``[Errno 2] No such file or directory``, no path."""
+    import subprocess
+    import sys
+
+    from tests.reliability.helpers import ROOT, no_traceback
+
+    data = write_token_jsonl(tmp_path / "d.jsonl")
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    script = (f"import os, sys; os.chdir({str(gone)!r}); os.rmdir({str(gone)!r}); "
+              "from planner.cli import dispatch; sys.exit(dispatch.main(sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", script, str(data), "--dp", "1", "--cp", "1",
+                           "--max-tokens-per-rank", "256", "--global-batch-size", "6",
+                           "--quiet"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=tmp_path)
+    assert done.returncode == 2
+    assert no_traceback(done.stderr)
+    assert "the working directory no longer exists" in done.stderr
+    assert "[Errno 2]" not in done.stderr
