@@ -165,7 +165,7 @@ class ArrowTokens:
     def __init__(self, path: str | os.PathLike[str], column: str | None = None, *,
                  cache_bytes: int = 256 << 20) -> None:
         self.path = Path(path)
-        self._parquet = self.path.suffix in (".parquet", ".pq")
+        self._parquet = self.path.suffix.lower() in (".parquet", ".pq")
         try:
             self._open(column)
         except ARROW_ERRORS as e:

@@ -61,3 +61,21 @@ def test_a_deleted_working_directory_is_named(tmp_path: Path) -> None:
     assert no_traceback(done.stderr)
     assert "the working directory no longer exists" in done.stderr
     assert "[Errno 2]" not in done.stderr
+
+
+def test_an_upper_case_suffix_trains_as_it_plans(tmp_path: Path) -> None:
+    """``UP.PARQUET`` planned, then training said ``not an Arrow IPC file`` (item 4)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from runtime.train.cli import main as train_main
+    from tests.reliability.helpers import TRAIN_FLAGS
+
+    data = tmp_path / "UP.PARQUET"
+    pq.write_table(pa.table({"input_ids": pa.array([[1, 2, 3, 4]] * 12, pa.list_(pa.int32()))}),
+                   data)
+    plan = tmp_path / "p.arrow"
+    assert plan_main([str(data), "-o", str(plan), "--dp", "1", "--cp", "1",
+                      "--max-tokens-per-rank", "64", "--global-batch-size", "4", "--quiet"]) == 0
+    assert train_main(["--plan", str(plan), "--dataset", str(data), *TRAIN_FLAGS, "--steps",
+                       "1"]) == 0
