@@ -171,8 +171,8 @@ class PlanReader:
         if (topology.world_size != p.pool_size * p.tp * p.pp
                 or topology.dp * topology.cp != p.pool_size
                 or topology.tp != p.tp or topology.pp != p.pp):
-            hint = (f": launch {p.launch_hint(TRAIN_COMMAND)}" if topology.world_size != p.world_size
-                    else "")
+            hint = (f": launch {p.launch_hint(TRAIN_COMMAND)}"
+                    if topology.world_size != p.world_size else "")
             raise ValueError(f"{self.path}: plan built for {want}, got {got}{hint}")
 
     def check_dataset(self, lengths: NDArray[np.integer],

@@ -243,6 +243,13 @@ class ArrowTokens:
             lengths[bad - 1] = 0
             values = values.fill_null(0)
         entry = (offsets, lengths, values.to_numpy())
+        if entry[2].dtype == np.uint64 and len(entry[2]):
+            top = np.flatnonzero(entry[2] > np.iinfo(np.int64).max)
+            if len(top):  # cast to int64 it would read as a negative id
+                row = int(np.searchsorted(offsets, top[0], "right")) - 1
+                raise ValueError(f"{self.path}: sample {int(self._chunk_starts[i]) + row} holds "
+                                 f"token id {int(entry[2][top[0]])}, past the int64 range of "
+                                 "token ids")
         self._cache[i] = entry
         self._cached += entry[2].nbytes
         while self._cached > self._cache_bytes and len(self._cache) > 1:

@@ -79,3 +79,28 @@ def test_an_upper_case_suffix_trains_as_it_plans(tmp_path: Path) -> None:
                       "--max-tokens-per-rank", "64", "--global-batch-size", "4", "--quiet"]) == 0
     assert train_main(["--plan", str(plan), "--dataset", str(data), *TRAIN_FLAGS, "--steps",
                        "1"]) == 0
+
+
+def test_a_uint64_id_past_int64_is_named_not_negative(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A ``list<uint64>`` id above 2^63 was reported as a negative id (item 4)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from runtime.train.cli import main as train_main
+    from tests.reliability.helpers import TRAIN_FLAGS
+
+    rows = [[1, 2, 3, 4]] * 12
+    rows[5] = [1, 2**63 + 5, 3, 4]
+    data = tmp_path / "u.parquet"
+    pq.write_table(pa.table({"input_ids": pa.array(rows, pa.list_(pa.uint64()))}), data)
+    plan = tmp_path / "p.arrow"
+    assert plan_main([str(data), "-o", str(plan), "--dp", "1", "--cp", "1",
+                      "--max-tokens-per-rank", "64", "--global-batch-size", "12",
+                      "--quiet"]) == 0
+    capsys.readouterr()
+    assert train_main(["--plan", str(plan), "--dataset", str(data), *TRAIN_FLAGS, "--steps",
+                       "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"{data}: sample 5 holds token id {2**63 + 5}, past the int64 range" in err
+    assert "negative" not in err
