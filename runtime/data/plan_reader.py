@@ -173,7 +173,9 @@ class PlanReader:
                 or topology.tp != p.tp or topology.pp != p.pp):
             hint = (f": launch {p.launch_hint(TRAIN_COMMAND)}"
                     if topology.world_size != p.world_size else "")
-            raise ValueError(f"{self.path}: plan built for {want}, got {got}{hint}")
+            from runtime.dist.topology import SameOnEveryRank
+
+            raise SameOnEveryRank(f"{self.path}: plan built for {want}, got {got}{hint}")
 
     def check_dataset(self, lengths: NDArray[np.integer],
                       names: Sequence[str] = ()) -> None:

@@ -31,6 +31,11 @@ from dataclasses import dataclass
 from planner.planfile.schema import TRAIN_COMMAND, ParallelInfo
 
 
+class SameOnEveryRank(ValueError):
+    """A refusal every rank reaches alike (the launch does not fit the plan): the entry point
+    prints it on rank 0 only, not once per rank."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Topology:
     """One rank's coordinates in a dp x cp x tp x pp job."""
@@ -111,7 +116,7 @@ class Topology:
         """
         expected = parallel.dp * parallel.cp * parallel.tp * parallel.pp
         if expected != world_size:
-            raise ValueError(
+            raise SameOnEveryRank(
                 f"plan built for world_size={expected} (dp={parallel.dp}, cp={parallel.cp}, "
                 f"tp={parallel.tp}, pp={parallel.pp}), got {world_size}: launch "
                 f"{parallel.launch_hint(TRAIN_COMMAND)}"

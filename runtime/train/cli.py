@@ -41,6 +41,7 @@ from planner.cli.args import (
 from planner.sources.dataset import parse_data_path
 from planner.sources.fieldname import override_notice
 from runtime.adapters import FRAMEWORKS, load_launcher
+from runtime.dist.topology import SameOnEveryRank
 from runtime.train.backends import ATTENTIONS
 from runtime.train.config import DTYPES, TrainConfig
 from runtime.train.guards import Terminated, describe_dist_error, raise_terminated
@@ -333,7 +334,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             finally:
                 trainer.close()
     except (ValueError, OSError) as e:
-        print(f"dcp-train: error: {flag_message(error_text(e), TRAIN_FLAGS)}", file=sys.stderr)
+        if not (isinstance(e, SameOnEveryRank) and os.environ.get("RANK", "0") != "0"):
+            print(f"dcp-train: error: {flag_message(error_text(e), TRAIN_FLAGS)}",
+                  file=sys.stderr)
         return 2
     except (KeyboardInterrupt, Terminated) as e:
         signum = e.signum if isinstance(e, Terminated) else signal.SIGINT

@@ -104,3 +104,24 @@ def test_a_uint64_id_past_int64_is_named_not_negative(tmp_path: Path,
     err = capsys.readouterr().err
     assert f"{data}: sample 5 holds token id {2**63 + 5}, past the int64 range" in err
     assert "negative" not in err
+
+
+def test_a_refusal_every_rank_reaches_prints_once(tmp_path: Path) -> None:
+    """A pool-1 plan launched on 2 ranks: the world-size refusal printed once per rank."""
+    import subprocess
+    import sys
+
+    from tests.reliability.helpers import ROOT, TRAIN_FLAGS, pool1_plan
+
+    data = write_token_jsonl(tmp_path / "d.jsonl")
+    plan = pool1_plan(plan_main, data, tmp_path / "p.arrow")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           "2", "-m", "runtime.train", "--plan", str(plan), "--dataset",
+                           str(data), *TRAIN_FLAGS, "--steps", "1"], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode != 0
+    lines = [x for x in done.stderr.splitlines() if x.startswith("dcp-train: error:")]
+    assert len(lines) == 1, done.stderr
+    assert "plan built for world_size=1" in lines[0]
+    assert "--nproc-per-node 1 -m runtime.train ARGS" in lines[0]
