@@ -29,7 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["DataFile", "blend_counts", "expand_paths", "parse_data_path", "plan_items"]
+__all__ = ["DataFile", "blend_counts", "expand_paths", "file_identity", "parse_data_path",
+           "plan_items"]
 
 _GLOB_CHARS = frozenset("*?[")
 INDEX_CACHE_SUFFIXES = (".dcpidx", ".dcptok")
@@ -217,7 +218,7 @@ def expand_paths(items: Sequence[str], suffixes: Sequence[str],
         out.extend((f, g) for f in files)
     seen: dict[object, str] = {}
     for f, _ in out:
-        key = _identity(f)
+        key = file_identity(f)
         if key in seen:
             raise ValueError(f"{f}: the same file is given twice (as {seen[key]!r} too); a "
                              "dataset lists each file once")
@@ -225,7 +226,7 @@ def expand_paths(items: Sequence[str], suffixes: Sequence[str],
     return out
 
 
-def _identity(f: str) -> object:
+def file_identity(f: str) -> object:
     """What makes two names one dataset file: the device and inode (hard links, symlinks,
     other spellings), a Megatron pair's ``.idx`` for the pair (``m``, ``m.idx``, ``m.bin``)."""
     lower = f.lower()
