@@ -133,44 +133,55 @@ def save(directory: str | os.PathLike[str], *, model: torch.nn.Module,
     final, staging = root / name, root / f".{name}.tmp"
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     error = ""
-    if rank == 0:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            remove_leftovers(root)
-            staging.mkdir()
-        except OSError as e:
-            error = f"{staging}: cannot create the checkpoint directory: {e.strerror or e}"
-    if not agree(not error, group):
-        raise ValueError(error or f"{staging}: rank 0 could not create the checkpoint directory")
-    rng_path = staging / f"rng-{rank}.pt"
+    created = False  # only what this save created is removed on the way out
     try:
-        _write_synced(rng_path, obj=rng_state())
-    except OSError as e:
-        error = f"{rng_path}: cannot write: {e.strerror or e}"
-    if not agree(not error, group):
-        _cleanup(rank, staging)
-        raise ValueError(error or f"{staging}: another rank failed to write its RNG file")
-    if rank == 0:
+        if rank == 0:
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+                remove_leftovers(root)
+                staging.mkdir()
+                created = True
+            except OSError as e:
+                error = f"{staging}: cannot create the checkpoint directory: {e.strerror or e}"
+        if not agree(not error, group):
+            raise ValueError(error or f"{staging}: rank 0 could not create the checkpoint "
+                             "directory")
+        rng_path = staging / f"rng-{rank}.pt"
         try:
-            state = {"format": FORMAT, "model": model.state_dict(),
-                     "optimizer": optimizer.state_dict(), "next_step": next_step, "meta": meta}
-            _write_synced(staging / STATE_FILE, obj=state)
-            files = [STATE_FILE] + [f"rng-{r}.pt" for r in range(world)]
-            manifest = {"format": FORMAT, "next_step": next_step, "world_size": world,
-                        "files": {f: {"bytes": (staging / f).stat().st_size,
-                                      "sha256": _sha256(staging / f)} for f in files}}
-            # The manifest last: a directory with a valid manifest is complete.
-            _write_synced(staging / MANIFEST_FILE,
-                          data=json.dumps(manifest, indent=1, sort_keys=True).encode())
-            fsync_dir(staging)
-            _install(root, staging, final)
-        except (OSError, ValueError) as e:
-            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-            error = f"{root}: cannot complete checkpoint {name}: {reason}"
-    ok = agree(not error, group)
-    if not ok:
-        _cleanup(rank, staging)
-        raise ValueError(error or f"{root}: rank 0 failed to complete checkpoint {name}")
+            _write_synced(rng_path, obj=rng_state())
+        except OSError as e:
+            error = f"{rng_path}: cannot write: {e.strerror or e}"
+        if not agree(not error, group):
+            _cleanup(rank, staging)
+            raise ValueError(error or f"{staging}: another rank failed to write its RNG file")
+        if rank == 0:
+            try:
+                state = {"format": FORMAT, "model": model.state_dict(),
+                         "optimizer": optimizer.state_dict(), "next_step": next_step,
+                         "meta": meta}
+                _write_synced(staging / STATE_FILE, obj=state)
+                files = [STATE_FILE] + [f"rng-{r}.pt" for r in range(world)]
+                manifest = {"format": FORMAT, "next_step": next_step, "world_size": world,
+                            "files": {f: {"bytes": (staging / f).stat().st_size,
+                                          "sha256": _sha256(staging / f)} for f in files}}
+                # The manifest last: a directory with a valid manifest is complete.
+                _write_synced(staging / MANIFEST_FILE,
+                              data=json.dumps(manifest, indent=1, sort_keys=True).encode())
+                fsync_dir(staging)
+                _install(root, staging, final)
+            except (OSError, ValueError) as e:
+                reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+                error = f"{root}: cannot complete checkpoint {name}: {reason}"
+        ok = agree(not error, group)
+        if not ok:
+            _cleanup(rank, staging)
+            raise ValueError(error or f"{root}: rank 0 failed to complete checkpoint {name}")
+    except BaseException:
+        # Whatever ended the save (an error above, Ctrl-C, SIGTERM, SIGHUP): its staging goes;
+        # the previous checkpoint stays the latest.
+        if created:
+            _cleanup(rank, staging)
+        raise
     return final
 
 

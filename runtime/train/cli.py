@@ -38,6 +38,7 @@ from planner.cli.args import (
     refuse,
     seed_int,
 )
+from planner.cli.guard import signals_raise
 from planner.sources.dataset import parse_data_path
 from planner.sources.fieldname import override_notice
 from runtime.adapters import FRAMEWORKS, load_launcher
@@ -306,7 +307,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg, model_config, reference, framework = parse_args(argv)
     _field_notices(cfg)
     torch.manual_seed(cfg.seed)
-    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    with signals_raise(raise_terminated):  # SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, ...
+        return _main(cfg, model_config, reference, framework)
+
+
+def _main(cfg: TrainConfig, model_config: GPTConfig, reference: bool, framework: str) -> int:
     try:
         # Before any work, on every rank and for every engine: the outputs are safe to write,
         # and the plan is one to train.
@@ -348,7 +353,5 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"dcp-train: error: {message}", file=sys.stderr)
         return 3
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     return 0
 

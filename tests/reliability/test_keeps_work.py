@@ -157,3 +157,23 @@ def test_an_impossible_timeout_is_a_message(tmp_path: Path, value: str,
     assert no_traceback(err)
     assert "--distributed-timeout-minutes must be > 0 and at most 525600 (about a year), got " \
         in err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGUSR1])
+def test_dcp_train_ends_cleanly_on_every_ending_signal(tmp_path: Path, sig: int) -> None:
+    """SIGHUP (a closed terminal), SIGUSR1: the process died at once, skipping every cleanup
+    (a killed save's staging directory stayed). Now as SIGTERM: exit 128+N, named."""
+    data = write_token_jsonl(tmp_path / "d.jsonl", num_samples=200)
+    plan = pool1_plan(plan_main, data, tmp_path / "p.arrow")
+    argv = [sys.executable, "-m", "runtime.train", "--plan", str(plan), "--dataset", str(data),
+            *TRAIN_FLAGS[:-1], "--save", str(tmp_path / "ck"), "--save-every", "1"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path, env=ENV)
+    assert proc.stdout is not None
+    assert json.loads(proc.stdout.readline())["step"] == 0
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, err
+    assert f"dcp-train: interrupted by {signal.Signals(sig).name}" in err
+    assert no_traceback(err), err
+    assert not [p.name for p in (tmp_path / "ck").iterdir() if p.name.endswith(".tmp")]
