@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 from numpy.typing import NDArray
@@ -150,8 +151,22 @@ class MegatronTokens:
 
 
 def _is_int_list(t: pa.DataType) -> bool:
-    return bool((pa.types.is_list(t) or pa.types.is_large_list(t))
+    """A list of integers of any Arrow list layout the planner reads (list, large_list,
+    fixed_size_list, list_view, large_list_view)."""
+    return bool((pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+                 or pa.types.is_list_view(t) or pa.types.is_large_list_view(t))
                 and pa.types.is_integer(t.value_type))
+
+
+def _as_offsets_list(arr: pa.Array) -> pa.Array:
+    """``arr`` as a list array with offsets: a fixed_size_list or list_view (which have none)
+    rebuilt from its row lengths and flattened values (a null row stays null)."""
+    if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
+        return arr
+    n = pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+    offsets = pa.array(np.r_[0, np.cumsum(n)], pa.int64())
+    return pa.LargeListArray.from_arrays(offsets, pc.list_flatten(arr),
+                                         mask=arr.is_null() if arr.null_count else None)
 
 
 class ArrowTokens:
@@ -231,6 +246,7 @@ class ArrowTokens:
                 raise ValueError(f"{self.path}: row group {i} is unreadable ({e})") from None
         else:
             arr = self._batches[i].column(self.column)
+        arr = _as_offsets_list(arr)
         # ``offsets`` honours the array's slice offset and indexes into ``values``; both are
         # zero-copy views of the memory map for IPC when there are no nulls.
         offsets = arr.offsets.to_numpy().astype(np.int64, copy=False)

@@ -125,3 +125,34 @@ def test_a_refusal_every_rank_reaches_prints_once(tmp_path: Path) -> None:
     assert len(lines) == 1, done.stderr
     assert "plan built for world_size=1" in lines[0]
     assert "--nproc-per-node 1 -m runtime.train ARGS" in lines[0]
+
+
+@pytest.mark.parametrize("layout", ["fixed_size_list", "list_view", "large_list_view"])
+def test_every_list_layout_trains_as_it_plans(tmp_path: Path, layout: str) -> None:
+    """``fixed_size_list`` and ``list_view`` token columns planned, then training found no
+    token column (item 4)."""
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    from runtime.data.plan_reader import PlanReader
+    from runtime.data.plan_source import open_plan_source
+    from runtime.train.cli import main as train_main
+    from tests.reliability.helpers import TRAIN_FLAGS
+
+    rows = [[i % 50, 1, 2, 3] for i in range(12)]
+    kind = {"fixed_size_list": pa.list_(pa.int32(), 4), "list_view": pa.list_view(pa.int32()),
+            "large_list_view": pa.large_list_view(pa.int64())}[layout]
+    data = tmp_path / "d.arrow"
+    table = pa.table({"input_ids": pa.array(rows, kind)})
+    with pa.OSFile(str(data), "wb") as sink, ipc.new_file(sink, table.schema) as w:
+        w.write_table(table)
+    plan = tmp_path / "p.arrow"
+    assert plan_main([str(data), "-o", str(plan), "--dp", "1", "--cp", "1",
+                      "--max-tokens-per-rank", "64", "--global-batch-size", "4", "--quiet",
+                      "--fingerprint", "content"]) == 0
+    with PlanReader(plan) as reader:  # the content fingerprint: every token as planned
+        source = open_plan_source(reader, [str(data)])
+        assert source.read(5, 0, 4).tolist() == rows[5]
+        getattr(source, "close", lambda: None)()
+    assert train_main(["--plan", str(plan), "--dataset", str(data), *TRAIN_FLAGS, "--steps",
+                       "1"]) == 0
