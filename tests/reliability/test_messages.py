@@ -156,3 +156,23 @@ def test_every_list_layout_trains_as_it_plans(tmp_path: Path, layout: str) -> No
         getattr(source, "close", lambda: None)()
     assert train_main(["--plan", str(plan), "--dataset", str(data), *TRAIN_FLAGS, "--steps",
                        "1"]) == 0
+
+
+def test_the_only_list_column_is_the_default(tmp_path: Path) -> None:
+    """A Parquet file whose only list column is ``ids`` was refused, though PLAN_FORMAT.md
+    says that column is the default (item 4)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from runtime.train.cli import main as train_main
+    from tests.reliability.helpers import TRAIN_FLAGS
+
+    data = tmp_path / "ids.parquet"
+    pq.write_table(pa.table({"ids": pa.array([[1, 2, 3, 4]] * 12, pa.list_(pa.int32())),
+                             "name": ["x"] * 12}), data)
+    plan = tmp_path / "p.arrow"
+    assert plan_main([str(data), "-o", str(plan), "--dp", "1", "--cp", "1",
+                      "--max-tokens-per-rank", "64", "--global-batch-size", "4", "--quiet",
+                      "--fingerprint", "content"]) == 0
+    assert train_main(["--plan", str(plan), "--dataset", str(data), *TRAIN_FLAGS, "--steps",
+                       "1"]) == 0
