@@ -176,3 +176,21 @@ def test_the_only_list_column_is_the_default(tmp_path: Path) -> None:
                       "--fingerprint", "content"]) == 0
     assert train_main(["--plan", str(plan), "--dataset", str(data), *TRAIN_FLAGS, "--steps",
                        "1"]) == 0
+
+
+def test_calibrate_blames_the_flag_not_memory(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """``dcp-calibrate --max-tokens 2`` said the host holds only about 2 tokens of the model
+    (lower --min-length, or free memory) on a host with gigabytes free."""
+    from runtime.calibrate.cli import main as calibrate_main
+
+    with pytest.raises(SystemExit) as done:
+        code = calibrate_main(["--max-tokens", "2", "--min-length", "2", "--max-length", "2",
+                               "--quick", "-o", str(tmp_path / "cm.json")])
+        raise SystemExit(code)
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert "--max-tokens 2 holds fewer than two sequences of --min-length 2" in err
+    assert "raise --max-tokens to at least 4" in err
+    assert "memory" not in err.split("error:")[-1]
+    assert not (tmp_path / "cm.json").exists()
