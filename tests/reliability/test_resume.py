@@ -188,3 +188,23 @@ def test_ranks_load_the_checkpoint_rank_0_chose(tmp_path: Path) -> None:
         (d.parent / "latest").write_text(d.name + "\n")
         dirs.append(str(tmp_path / f"view{r}"))
     assert run_distributed(_resolve_rank, 2, dirs, timeout=120) == ["ck/step-00000006"] * 2
+
+
+def _titan_latest_rank(rank: int, world: int, store: str, dirs: list[str]) -> int:
+    from runtime.adapters.torchtitan.config import agreed_latest
+
+    os.chdir(dirs[rank])  # each rank sees its own "ck"
+    return agreed_latest("ck")
+
+
+def test_torchtitan_ranks_load_the_step_rank_0_chose(tmp_path: Path) -> None:
+    pytest.importorskip("torchtitan")
+    from tests.dist import run_distributed
+
+    dirs = []
+    for r, step in ((0, 6), (1, 2)):
+        d = tmp_path / f"view{r}" / "ck" / f"step-{step}"
+        d.mkdir(parents=True)
+        (d / ".metadata").write_bytes(b"")
+        dirs.append(str(tmp_path / f"view{r}"))
+    assert run_distributed(_titan_latest_rank, 2, dirs, timeout=200) == [6, 6]
