@@ -40,9 +40,36 @@ def main(argv: list[str] | None = None) -> int:
         return _run(cmd, argv)
 
 
+EXTRAS = {"pandas": "notebook", "polars": "notebook", "matplotlib": "notebook",
+          "torch": "runtime", "ray": "ray", "megatron": "megatron", "torchtitan": "torchtitan",
+          "transformer_engine": "gpu"}
+"""Optional packages (pyproject.toml's extras): which extra installs each."""
+
+
+def missing_extra(e: ImportError) -> str | None:
+    """The message for an optional package that is not installed (``pip install .`` without
+    extras), naming the extra that brings it; None for any other import error."""
+    chain: BaseException | None = e
+    while chain is not None:
+        name = getattr(chain, "name", None)
+        top = name.split(".")[0] if isinstance(name, str) else ""
+        if isinstance(chain, ModuleNotFoundError) and top in EXTRAS:
+            return (f"this command needs {top}, which is not installed: pip install "
+                    f"'dcp-planner[{EXTRAS[top]}]' (or pip install '.[{EXTRAS[top]}]' in a "
+                    "checkout)")
+        chain = chain.__cause__ or chain.__context__
+    return None
+
+
 def _run(cmd: Any, argv: list[str]) -> int:
     try:
         return cmd(argv)
+    except ImportError as e:
+        message = missing_extra(e)
+        if message is None:
+            raise
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # `dcp-plan show ... | head`: the reader left; not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

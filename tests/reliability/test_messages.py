@@ -194,3 +194,51 @@ def test_calibrate_blames_the_flag_not_memory(tmp_path: Path,
     assert "raise --max-tokens to at least 4" in err
     assert "memory" not in err.split("error:")[-1]
     assert not (tmp_path / "cm.json").exists()
+
+
+# dcp-plan in a process where no optional package can be imported (``pip install .``).
+_NO_EXTRAS = """
+import sys
+BLOCK = {"pandas", "polars", "matplotlib", "torch", "ray", "megatron", "torchtitan",
+         "transformer_engine"}
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCK:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, Block())
+from planner.cli import dispatch
+sys.exit(dispatch.main(sys.argv[1:]))
+"""
+
+
+def test_a_base_install_runs_the_planner_or_names_the_extra(tmp_path: Path) -> None:
+    """``pip install .`` without extras: ``dcp-plan report`` was a ModuleNotFoundError
+    traceback (item 6). Planning, validate and show run; report and figures name the extra."""
+    import subprocess
+    import sys
+
+    from tests.reliability.helpers import ROOT, no_traceback
+
+    data = write_token_jsonl(tmp_path / "d.jsonl")
+    plan = tmp_path / "p.arrow"
+    flags = ["--dp", "1", "--cp", "1", "--max-tokens-per-rank", "256", "--global-batch-size",
+             "6", "--quiet"]
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", _NO_EXTRAS, *args], capture_output=True,
+                              text=True, timeout=300, cwd=tmp_path,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    for args in ([str(data), "-o", str(plan), *flags], ["validate", str(plan), str(data)],
+                 ["show", str(plan)]):
+        done = run(*args)
+        assert done.returncode == 0, (args, done.stderr)
+    for args in (["report", str(plan), "-o", str(tmp_path / "r.html")],
+                 ["compare", str(data), "--pools", "1", "--max-tokens-per-rank", "256",
+                  "--global-batch-size", "6", "--figure", str(tmp_path / "f.png")]):
+        done = run(*args)
+        assert done.returncode == 2, (args, done.stderr)
+        assert no_traceback(done.stderr), done.stderr
+        assert "needs matplotlib, which is not installed: pip install " \
+            "'dcp-planner[notebook]'" in done.stderr
