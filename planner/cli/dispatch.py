@@ -63,7 +63,7 @@ def missing_extra(e: ImportError) -> str | None:
 
 def _run(cmd: Any, argv: list[str]) -> int:
     try:
-        return cmd(argv)
+        return int(cmd(argv))
     except ImportError as e:
         message = missing_extra(e)
         if message is None:

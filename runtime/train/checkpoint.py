@@ -66,7 +66,7 @@ from runtime.train.savetarget import (
     step_dir_name,
 )
 
-__all__ = ["FORMAT", "LATEST_FILE", "MANIFEST_FILE", "STATE_FILE", "STEP_DIR", "Resumed",
+__all__ = ["FORMAT", "LATEST_FILE", "MANIFEST_FILE", "STATE_FILE", "STEP_DIR", "Resumed", "agree",
            "check_continues", "check_save_target", "config_meta", "is_checkpoint_dir", "load",
            "native_saves", "resolve", "resolve_agreed", "save", "step_dir_name", "verify"]
 

@@ -173,8 +173,7 @@ def check_continues(save: str | os.PathLike[str], *, resumed: Path | None, start
     m = STEP_DIR.match(name)
     if m is None:
         return
-    here = resumed is not None and resumed.parent.resolve() == root.resolve()
-    if not here:
+    if resumed is None or resumed.parent.resolve() != root.resolve():
         source = f"this run resumes from {resumed}" if resumed else "this run starts afresh"
         raise ValueError(f"--save {save}: holds the checkpoints of another run (latest "
                          f"{name}), and {source}; --resume {save} continues them, "
