@@ -16,6 +16,7 @@ import argparse
 import difflib
 import json
 import math
+import os
 import re
 import sys
 from collections.abc import Callable, Mapping
@@ -301,6 +302,20 @@ def refuse(parser: argparse.ArgumentParser, hints: Mapping[str, str]) -> None:
     """Refuse each flag of ``hints`` (Megatron's, usually) with its hint; hidden from --help."""
     for flag, hint in hints.items():
         parser.add_argument(flag, action=_Refuse, hint=hint)
+
+
+def error_text(e: BaseException) -> str:
+    """The text of a user error; an OSError that names no path because the working directory
+    is gone (deleted under the shell: every relative path fails with a bare ``[Errno 2]``)
+    says so."""
+    if isinstance(e, FileNotFoundError) and e.filename is None:
+        try:
+            os.getcwd()
+        except FileNotFoundError:
+            return ("the working directory no longer exists (deleted or moved away): relative "
+                    "paths, the default output among them, cannot be resolved; cd to an "
+                    "existing directory or give absolute paths")
+    return str(e)
 
 
 def flag_message(message: str, flags: Mapping[str, str]) -> str:

@@ -134,7 +134,10 @@ def cmd_compare(argv: list[str]) -> int:
             results.append(evaluate(table, s, base, cost, cps=args.cp,
                                     sample=args.sample_steps, sample_seed=args.sample_seed))
         except ValueError as e:
-            reasons.append((s, flag_message(str(e), FLAGS)))
+            # The planner's hint names dcp-plan's --cp-sizes, which compare has not: here a
+            # setup's largest group is its pool.
+            why = str(e).replace("or limit --cp-sizes", "or compare smaller --pools")
+            reasons.append((s, flag_message(why, FLAGS)))
     if not results:
         raise ValueError("no setup can plan this dataset:\n  " + "\n  ".join(
             f"{_name(s)}: {why}" for s, why in reasons))

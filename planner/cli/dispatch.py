@@ -3,7 +3,8 @@
 The first word picks the subcommand (``validate``, ``show``, ``plan``, ``compare``, ``report``);
 anything else is the default, ``plan``. User errors (``ValueError``, ``OSError``,
 ``EngineError``) print one line naming the flag, file or sample and exit 2, never a traceback;
-SIGTERM and Ctrl-C exit 128 + the signal after the writer's cleanup; a reader that leaves a
+SIGTERM, SIGHUP, SIGQUIT, SIGUSR1 (``guard.ENDING_SIGNALS``) and Ctrl-C exit 128 + the signal
+after the writer's cleanup; a reader that leaves a
 pipe (``dcp-plan show ... | head``) is not an error.
 """
 
@@ -12,10 +13,11 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from typing import Any
 
-from planner.cli.args import flag_message
+from planner.cli.args import error_text, flag_message
 from planner.cli.flags import FLAGS
-from planner.cli.guard import Terminated, interrupting_signal, terminate
+from planner.cli.guard import Terminated, interrupting_signal, signals_raise, terminate
 from planner.cli.plan import cmd_plan
 from planner.cli.show import cmd_show
 from planner.cli.validate import cmd_validate
@@ -34,14 +36,45 @@ def main(argv: list[str] | None = None) -> int:
     cmd = cmd_plan
     if argv and argv[0] in commands:
         cmd = commands[argv.pop(0)]
-    previous = signal.signal(signal.SIGTERM, terminate)
+    with signals_raise(terminate):
+        return _run(cmd, argv)
+
+
+EXTRAS = {"pandas": "notebook", "polars": "notebook", "matplotlib": "notebook",
+          "torch": "runtime", "ray": "ray", "megatron": "megatron", "torchtitan": "torchtitan",
+          "transformer_engine": "gpu"}
+"""Optional packages (pyproject.toml's extras): which extra installs each."""
+
+
+def missing_extra(e: ImportError) -> str | None:
+    """The message for an optional package that is not installed (``pip install .`` without
+    extras), naming the extra that brings it; None for any other import error."""
+    chain: BaseException | None = e
+    while chain is not None:
+        name = getattr(chain, "name", None)
+        top = name.split(".")[0] if isinstance(name, str) else ""
+        if isinstance(chain, ModuleNotFoundError) and top in EXTRAS:
+            return (f"this command needs {top}, which is not installed: pip install "
+                    f"'dcp-planner[{EXTRAS[top]}]' (or pip install '.[{EXTRAS[top]}]' in a "
+                    "checkout)")
+        chain = chain.__cause__ or chain.__context__
+    return None
+
+
+def _run(cmd: Any, argv: list[str]) -> int:
     try:
-        return cmd(argv)
+        return int(cmd(argv))
+    except ImportError as e:
+        message = missing_extra(e)
+        if message is None:
+            raise
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # `dcp-plan show ... | head`: the reader left; not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except (ValueError, OSError, EngineError) as e:
-        print(f"{PROG}: error: {flag_message(str(e), FLAGS)}", file=sys.stderr)
+        print(f"{PROG}: error: {flag_message(error_text(e), FLAGS)}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, Terminated, SystemError) as e:
         # The writer's cleanup ran on the way out (temporary files removed, nothing renamed).
@@ -52,8 +85,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: interrupted by {signal.Signals(signum).name}; no plan written",
               file=sys.stderr)
         return 128 + signum
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def entry() -> None:

@@ -1,15 +1,20 @@
 """``dcp-plan``'s inputs and outputs: the dataset flags (``plan`` and ``validate``) and the items
 they give, the reader's notices, the default output, the files a run reads (its outputs are
-refused when they are one of them: ``check_outputs``), and SIGTERM as an exception (so the
-writer's cleanup runs as on Ctrl-C; schedulers and torchrun send SIGTERM)."""
+refused when they are one of them: ``check_outputs``), and SIGTERM, SIGHUP, SIGQUIT, SIGUSR1 and
+the other ending signals as an exception (``signals_raise``: so the writer's cleanup runs as on
+Ctrl-C; schedulers and torchrun send SIGTERM, a closed terminal SIGHUP)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import re
 import signal
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from planner.fileguard import check_output
 
@@ -56,6 +61,32 @@ class Terminated(BaseException):
 def terminate(signum: int, frame: object) -> None:
     """A signal handler: ``signal.signal(signal.SIGTERM, terminate)``."""
     raise Terminated(signum)
+
+
+ENDING_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGXCPU")
+"""The catchable signals whose default action ends the process (SIGINT is Python's
+KeyboardInterrupt already; SIGPIPE and SIGXFSZ Python ignores; SIGPROF and SIGVTALRM belong
+to profilers)."""
+
+
+@contextlib.contextmanager
+def signals_raise(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """Within the block, every one of ``ENDING_SIGNALS`` runs ``handler`` (which raises), so
+    ``finally`` blocks clean up (temporaries, spills) as on Ctrl-C: SIGTERM always, the others
+    where nobody set a handler (their default would kill the process and skip every cleanup).
+    Restored after the block; main thread only (``signal.signal``'s rule)."""
+    saved: dict[int, Any] = {}
+    for name in ENDING_SIGNALS:
+        sig = getattr(signal, name, None)
+        if sig is None:
+            continue
+        if name == "SIGTERM" or signal.getsignal(sig) == signal.SIG_DFL:
+            saved[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, previous in saved.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
 
 
 def interrupting_signal(e: BaseException) -> int | None:
@@ -128,4 +159,10 @@ def default_output(item: str) -> Path:
 
     name = Path(strip_compression(item.rstrip("/")))
     stem = name.stem if name.suffix else name.name
+    if set("*?[") & set(item):
+        # A glob: its literal part ('shard-*.jsonl' -> shard), else the nearest directory
+        # without a pattern ('ds/*.jsonl' -> ds); never a file literally named '*.arrow'.
+        stem = re.sub(r"\[[^\]]*\]|[*?\[\]]", "", stem).strip("-_. ")
+        parents = [p.name for p in name.parents if p.name and not set("*?[") & set(p.name)]
+        stem = stem or (parents[0] if parents else "")
     return Path("plans") / f"{stem or 'plan'}.arrow"

@@ -103,15 +103,21 @@ class ParallelInfo:
         """How to start that job on one node: ``torchrun --nproc-per-node 8``."""
         return f"torchrun --nproc-per-node {self.world_size}"
 
-    def launch_hint(self) -> str:
-        """The launch on one node and across nodes, for messages and the summary."""
-        return describe_launch(self.dp, self.cp, self.tp, self.pp)
+    def launch_hint(self, command: str = "") -> str:
+        """The launch on one node and across nodes, for messages and the summary; ``command``
+        (``-m runtime.train ARGS``) follows torchrun's own flags."""
+        return describe_launch(self.dp, self.cp, self.tp, self.pp, command)
 
 
-def describe_launch(dp: int, cp: int, tp: int, pp: int) -> str:
-    """``torchrun --nproc-per-node 8 (dp 1 x cp 2 x tp 2 x pp 2 = 8 processes; ...)``."""
+TRAIN_COMMAND = "-m runtime.train ARGS"
+"""What follows torchrun's flags in a launch hint of ``dcp-train``'s errors (its own flags)."""
+
+
+def describe_launch(dp: int, cp: int, tp: int, pp: int, command: str = "") -> str:
+    """``torchrun --nproc-per-node 8 [COMMAND] (dp 1 x cp 2 x tp 2 x pp 2 = 8 processes; ...)``."""
     w = dp * cp * tp * pp
-    return (f"torchrun --nproc-per-node {w} (dp {dp} x cp {cp} x tp {tp} x pp {pp} = {w} "
+    run = f" {command}" if command else ""
+    return (f"torchrun --nproc-per-node {w}{run} (dp {dp} x cp {cp} x tp {tp} x pp {pp} = {w} "
             f"process{'es' if w > 1 else ''}; on several nodes: --nnodes N "
             f"--nproc-per-node {w}/N)")
 

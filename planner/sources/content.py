@@ -234,7 +234,9 @@ def _jsonl(path: str, lengths: NDArray[np.int64], field: str | None
 
 
 def _int_list(t: pa.DataType) -> bool:
-    return bool((pa.types.is_list(t) or pa.types.is_large_list(t))
+    """A list of integers of any layout the lengths reader takes (fixed-size and views too)."""
+    return bool((pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+                 or pa.types.is_list_view(t) or pa.types.is_large_list_view(t))
                 and pa.types.is_integer(t.value_type))
 
 

@@ -8,8 +8,9 @@ file's records are samples 0..n0-1, the second's follow, ...). The order, docume
    (``'shards/*.jsonl.zst'``, quoted so the shell leaves it) for the files it matches; either is
    sorted by path, by code point (zero-padded shard numbers sort as numbers do). A directory's
    Megatron pair ``x.bin``/``x.idx`` is one file, ``x``; hidden files and ``.dcpidx`` index caches
-   are not dataset files, nor are dcp plans (left out with a notice: a plan written into a
-   dataset's directory must not become data of the next plan).
+   are not dataset files, nor are this tool's own outputs: dcp plans, JSON summaries
+   (``--summary-json``) and ``dcp-train --log-jsonl`` logs (left out with a notice: an output
+   written into a dataset's directory must not become data of the next plan or run).
 
 The same file twice is an error (it would be two samples of one record). Megatron's
 ``--data-path`` may interleave weights: ``0.3 A 0.7 B`` (Megatron-core's rule: if the first item
@@ -23,11 +24,13 @@ from __future__ import annotations
 import glob
 import math
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["DataFile", "blend_counts", "expand_paths", "parse_data_path"]
+__all__ = ["DataFile", "blend_counts", "expand_paths", "file_identity", "parse_data_path",
+           "plan_items"]
 
 _GLOB_CHARS = frozenset("*?[")
 INDEX_CACHE_SUFFIXES = (".dcpidx", ".dcptok")
@@ -94,6 +97,23 @@ def parse_data_path(items: Sequence[str]) -> tuple[list[str], list[float] | None
     return paths, weights
 
 
+_ESCAPED = re.compile(r"\[([*?[])\]")
+
+
+def plan_items(files: Sequence[dict[str, object]], path: str) -> tuple[str, ...]:
+    """A plan header's dataset (``dataset.files``, else format 1's ``dataset.path``) as
+    ``expand_paths`` items: each stored file is that file, never a pattern (its glob
+    characters escaped), so ``star[1].jsonl`` moved away is missing, not ``star1.jsonl``."""
+    return tuple(glob.escape(str(f["path"])) for f in files) or (path,)
+
+
+def _unescaped(item: str) -> str | None:
+    """The file an item names whose every glob character is escaped (``glob.escape``'s
+    ``[*]``, ``[?]``, ``[[]``): a literal path, never a pattern; else None."""
+    plain = _ESCAPED.sub(r"\1", item)
+    return plain if plain != item and glob.escape(plain) == item else None
+
+
 def _is_dataset_file(p: Path, suffixes: Sequence[str]) -> bool:
     name = p.name
     if name.startswith(".") or name.endswith(INDEX_CACHE_SUFFIXES) or not p.is_file():
@@ -124,6 +144,27 @@ def _is_plan(path: str) -> bool:
     return is_plan_file(path)
 
 
+def _own_output(path: str) -> str:
+    """What this tool wrote, if ``path`` is one of its outputs (a dcp plan, a ``--summary-json``
+    JSON summary or cost model, a ``dcp-train --log-jsonl`` log), else ''."""
+    if _is_plan(path):
+        return "a dcp plan"
+    if not path.lower().endswith((".json", ".jsonl")):
+        return ""
+    from planner.fileguard.kinds import KINDS
+
+    try:
+        if os.path.getsize(path) == 0:
+            return ""  # an empty file is nobody's output: an empty dataset file
+    except OSError:
+        return ""
+    if KINDS["summary"].own(Path(path)):
+        return "a JSON summary (--summary-json)"
+    if KINDS["log"].own(Path(path)):
+        return "a dcp-train log (--log-jsonl)"
+    return ""
+
+
 def expand_paths(items: Sequence[str], suffixes: Sequence[str],
                  notice: Callable[[str], None] | None = None) -> list[tuple[str, int]]:
     """Every file of the dataset, in order, each with the index of the item it came from.
@@ -145,10 +186,12 @@ def expand_paths(items: Sequence[str], suffixes: Sequence[str],
     out: list[tuple[str, int]] = []
     for g, item in enumerate(items):
         item = os.fspath(item)
+        plain = _unescaped(item)
+        item = item if plain is None else plain
         expanded = True
         if os.path.isdir(item):
             files = _directory(item, suffixes)
-        elif os.path.lexists(item) or os.path.isfile(f"{item}.idx") or not (
+        elif plain is not None or os.path.lexists(item) or os.path.isfile(f"{item}.idx") or not (
                 _GLOB_CHARS & set(item)):
             check_input(item, "a dataset file")
             if _is_plan(item):
@@ -161,24 +204,42 @@ def expand_paths(items: Sequence[str], suffixes: Sequence[str],
             if not files:
                 raise ValueError(f"{item}: no dataset file matches this pattern"
                                  + (f" ({len(matched)} other files do)" if matched else ""))
-        plans = [f for f in files if _is_plan(f)] if expanded else []
-        if plans:
-            files = [f for f in files if f not in plans]
+        own = {f: what for f in files if (what := _own_output(f))} if expanded else {}
+        if own:
+            files = [f for f in files if f not in own]
             if notice is not None:
-                for f in plans:
-                    notice(f"{f}: a dcp plan in {item!r}, not a dataset file: left out")
+                for f, what in own.items():
+                    notice(f"{f}: {what} in {item!r}, not a dataset file: left out")
             if not files:
-                raise ValueError(f"{item}: holds only dcp plans ({', '.join(plans)}), no "
-                                 "dataset file")
+                what = ("dcp plans" if set(own.values()) == {"a dcp plan"}
+                        else "this tool's outputs")
+                raise ValueError(f"{item}: holds only {what} ({', '.join(own)}), no dataset "
+                                 "file")
         out.extend((f, g) for f in files)
-    seen: dict[str, str] = {}
+    seen: dict[object, str] = {}
     for f, _ in out:
-        key = os.path.realpath(f)
+        key = file_identity(f)
         if key in seen:
             raise ValueError(f"{f}: the same file is given twice (as {seen[key]!r} too); a "
                              "dataset lists each file once")
         seen[key] = f
     return out
+
+
+def file_identity(f: str) -> object:
+    """What makes two names one dataset file: the device and inode (hard links, symlinks,
+    other spellings), a Megatron pair's ``.idx`` for the pair (``m``, ``m.idx``, ``m.bin``)."""
+    lower = f.lower()
+    pair = f[:-4] + ".idx" if lower.endswith((".bin", ".idx")) else f + ".idx"
+    for name in (pair, f):
+        try:
+            st = os.stat(name)
+        except OSError:
+            continue
+        if name == f or os.path.isfile(name) and (lower.endswith((".bin", ".idx"))
+                                                  or not os.path.isfile(f)):
+            return (st.st_dev, st.st_ino)
+    return os.path.realpath(f)
 
 
 def blend_counts(weights: Sequence[float], global_batch_size: int) -> list[int]:

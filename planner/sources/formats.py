@@ -122,6 +122,12 @@ def _pick_columns(path: str, schema: pa.Schema, field: str | None) -> list[tuple
     length column and is left out, as a JSONL record ignores fields after the one it uses.
     """
     names = [field] if field is not None else [n for n in DEFAULT_FIELDS if n in schema.names]
+    if not names and field is None:
+        # docs/PLAN_FORMAT.md: input_ids, then tokens, then the only list-of-integers column
+        # (the runtime's ArrowTokens and the content fingerprint take that one too).
+        only = [f.name for f in schema if _is_list(f.type) and pa.types.is_integer(
+            f.type.value_type)]
+        names = only if len(only) == 1 else []
     if not names or names[0] not in schema.names:
         wanted = field if field is not None else ", ".join(DEFAULT_FIELDS)
         raise ValueError(f"{path}: no column {wanted}; columns are {schema.names}")

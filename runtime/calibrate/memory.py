@@ -148,7 +148,14 @@ def fit_tmax(probe: MemoryProbe, *, max_tokens: int, min_length: int,
     Raises:
         ValueError: not even 2 x min_length tokens fit.
     """
-    tmax = 1 << (max_tokens.bit_length() - 1)
+    tmax = top = 1 << (max_tokens.bit_length() - 1)
+    if top < 2 * min_length:
+        # The limit is the flag, not memory: a buffer holds at least two sequences.
+        raise ValueError(f"--max-tokens {max_tokens} holds fewer than two sequences of "
+                         f"--min-length {min_length} (a buffer of the grid holds at least "
+                         f"2 x {min_length} = {2 * min_length} tokens, as a power of two); "
+                         f"raise --max-tokens to at least {2 * min_length}"
+                         + (" or lower --min-length" if min_length > 2 else ""))
     while tmax > min_length and predicted_peak(probe, tmax, max_length) > probe.budget_bytes:
         tmax //= 2
     if predicted_peak(probe, tmax, max_length) > probe.budget_bytes or tmax < 2 * min_length:

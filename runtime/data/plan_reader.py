@@ -21,6 +21,7 @@ rank 3 the rows of group (2, 2) with ``cp_rank == 1``.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -28,7 +29,13 @@ import numpy as np
 from numpy.typing import NDArray
 
 from planner.planfile.io import PlanFile
-from planner.planfile.schema import COLUMN_NAMES, PlanHeader, column_numpy, fingerprint_lengths
+from planner.planfile.schema import (
+    COLUMN_NAMES,
+    TRAIN_COMMAND,
+    PlanHeader,
+    column_numpy,
+    fingerprint_lengths,
+)
 from planner.planfile.validate import validate as validate_plan
 
 if TYPE_CHECKING:
@@ -164,21 +171,45 @@ class PlanReader:
         if (topology.world_size != p.pool_size * p.tp * p.pp
                 or topology.dp * topology.cp != p.pool_size
                 or topology.tp != p.tp or topology.pp != p.pp):
-            hint = (f": launch {p.launch_hint()}" if topology.world_size != p.world_size
-                    else "")
-            raise ValueError(f"{self.path}: plan built for {want}, got {got}{hint}")
+            hint = (f": launch {p.launch_hint(TRAIN_COMMAND)}"
+                    if topology.world_size != p.world_size else "")
+            from runtime.dist.topology import SameOnEveryRank
 
-    def check_dataset(self, lengths: NDArray[np.integer]) -> None:
-        """Raise ValueError naming both fingerprints unless ``lengths`` are the plan's dataset."""
+            raise SameOnEveryRank(f"{self.path}: plan built for {want}, got {got}{hint}")
+
+    def check_dataset(self, lengths: NDArray[np.integer],
+                      names: Sequence[str] = ()) -> None:
+        """Raise ValueError naming both fingerprints unless ``lengths`` are the plan's dataset,
+        and, for a plan that lists its files, the files whose lengths changed (``names``: the
+        files read, in the plan's order; default the plan's paths)."""
         d = self.header.dataset
         n = len(lengths)
+        changed = self._changed_files(np.asarray(lengths), names)
         if n != d.num_samples:
             raise ValueError(f"{self.path}: plan built for a dataset of {d.num_samples} samples "
-                             f"({d.path}), got {n}")
+                             f"({d.path}), got {n}{changed}")
         fp = fingerprint_lengths(np.asarray(lengths))
         if fp != d.fingerprint:
             raise ValueError(f"{self.path}: plan built for dataset fingerprint {d.fingerprint} "
-                             f"({d.path}), got {fp}")
+                             f"({d.path}), got {fp}{changed}")
+
+    def _changed_files(self, lengths: NDArray[np.integer], names: Sequence[str]) -> str:
+        """``; the dataset changed since planning: FILE (...)`` for the files whose sample
+        count or lengths fingerprint differ from the plan's, else ''."""
+        files = self.header.dataset.files
+        names = list(names) if len(names) == len(files) else [str(f["path"]) for f in files]
+        out, start = [], 0
+        for f, name in zip(files, names, strict=True):
+            k = int(f["num_samples"])
+            part = lengths[start:start + k]
+            start += k
+            if len(part) != k:
+                out.append(f"{name} ({len(part)} samples, the plan's {k})")
+            elif fingerprint_lengths(part) != f.get("fingerprint"):
+                out.append(f"{name} (other sample lengths than planned)")
+        if not out:
+            return ""
+        return f"; the dataset changed since planning: {', '.join(out)}"
 
     def step(self, i: int) -> StepPlan:
         """Step ``i``'s rows (O(1): one record batch of the memory-mapped file)."""

@@ -15,19 +15,23 @@ the Megatron and torchtitan adapters call, so they all read and check a dataset 
    token is read through this runtime's own readers (the tokens training would get) and hashed
    as ``planner.sources.content`` defines; a file whose tokens changed is refused, named.
 
-Cost of 3, paid once at start-up, before any step: every token of the dataset is read and
-hashed once *in total*, not once per rank: the blocks (``planner.sources.content``) are dealt
-round-robin over the ranks of the default process group and their digests summed in one
-all-reduce (32 bytes per block), so every rank reaches the same verdict and names the same
-files. Per rank that is ``tokens / world_size`` reads; BENCHMARKS.md has the rates (Megatron
-``.bin`` and Arrow are memory-bound, JSONL pays a ``json.loads`` per record). A run of one
-process hashes everything itself.
+Cost of 3, paid once at start-up, before any step: every token of every *copy* of the dataset
+is read and hashed once. The ranks that read one copy (same host, same files by device and
+inode: ``_copy_group``) deal its blocks (``planner.sources.content``) round-robin and sum their
+digests in one all-reduce over their group (32 bytes per block), so each copy is hashed whole,
+whatever the split: a node whose own copy was edited fails, and one all-reduce of a flag makes
+every rank fail with it. Per rank that is ``tokens / ranks reading its copy`` reads (one copy on
+a shared file system: ``tokens / world_size``); BENCHMARKS.md has the rates (Megatron ``.bin``
+and Arrow are memory-bound, JSONL pays a ``json.loads`` per record). A run of one process
+hashes everything itself.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,6 +39,7 @@ import torch.distributed as dist
 from numpy.typing import NDArray
 
 from planner.sources.content import CHUNK_TOKENS, block_digest, block_starts, file_digest
+from planner.sources.dataset import file_identity
 from planner.sources.fieldname import field_hint, replay_field
 from runtime.data.plan_reader import PlanReader
 from runtime.data.tokens import TokenSource, open_token_source, read_segments
@@ -96,8 +101,18 @@ def open_plan_source(reader: PlanReader, paths: Paths, *,
 def check_plan_source(reader: PlanReader, source: TokenSource) -> None:
     """Steps 2 and 3 of the module docstring for a source the caller opened (collective with
     content fingerprints, as ``open_plan_source``)."""
-    reader.check_dataset(source.lengths())
+    reader.check_dataset(source.lengths(), _names(reader, source))
     verify_content(reader, source)
+
+
+def _names(reader: PlanReader, source: TokenSource) -> list[str]:
+    """The files ``source`` read, in the plan's order (a many-file source's names, a single
+    file's own path), which may differ from the paths the plan lists (``--dataset elsewhere``)."""
+    names = [str(n) for n in getattr(source, "names", [])]
+    own = getattr(source, "path", None) or getattr(source, "prefix", None)
+    if not names and len(reader.header.dataset.files) == 1 and own is not None:
+        names = [str(own)]
+    return names or [str(f["path"]) for f in reader.header.dataset.files]
 
 
 def _first_tokens(reader: PlanReader, source: TokenSource) -> None:
@@ -117,6 +132,34 @@ def _world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def _device() -> torch.device:
+    return (torch.device("cuda", torch.cuda.current_device())
+            if dist.get_backend() == "nccl" else torch.device("cpu"))
+
+
+def _copy_group(rank: int, world: int, names: Sequence[str]
+                ) -> tuple[list[int], dist.ProcessGroup | None]:
+    """The ranks that read the same copy of the dataset as this one (same host, same files by
+    device and inode) and their process group (collective: every rank creates every group,
+    in the same order). Those ranks share the hashing; each copy is hashed whole."""
+    if world == 1:
+        return [0], None
+    key = (socket.gethostname(), [repr(file_identity(n)) for n in names])
+    keys: list[Any] = [None] * world
+    dist.all_gather_object(keys, key)
+    mine: tuple[list[int], dist.ProcessGroup | None] = ([rank], None)
+    seen: list[Any] = []
+    for k in keys:
+        if k in seen:
+            continue
+        seen.append(k)
+        ranks = [r for r, other in enumerate(keys) if other == k]
+        group = dist.new_group(ranks) if len(ranks) > 1 else None
+        if rank in ranks:
+            mine = (ranks, group)
+    return mine
 
 
 def _block(source: TokenSource, lengths: NDArray[np.int64], a: int, b: int) -> bytes:
@@ -146,29 +189,23 @@ def verify_content(reader: PlanReader, source: TokenSource) -> None:
     if not any(f.get("content_fingerprint") for f in files):
         return
     lengths = np.asarray(source.lengths(), dtype=np.int64)
-    # Name the files read (a many-file source's names, a single file's own path), which
-    # may differ from the paths the plan lists (dcp-train --dataset elsewhere/d.jsonl).
-    names = list(getattr(source, "names", []))
-    own = getattr(source, "path", None) or getattr(source, "prefix", None)
-    if not names and len(files) == 1 and own is not None:
-        names = [str(own)]
-    names = names or [str(f["path"]) for f in files]
+    names = _names(reader, source)
     bounds = np.cumsum([0] + [int(f["num_samples"]) for f in files])
     blocks: list[tuple[int, int, int]] = []  # (file, first sample, end sample), global indices
     for j in range(len(files)):
         starts = block_starts(lengths[bounds[j]:bounds[j + 1]]) + bounds[j]
         blocks += [(j, int(x), int(y)) for x, y in zip(starts[:-1], starts[1:], strict=True)]
     rank, world = _world()
+    members, group = _copy_group(rank, world, names)
+    mine, share = members.index(rank), len(members)
     digests = np.zeros((len(blocks), 32), dtype=np.uint8)
-    for g in range(rank, len(blocks), world):
+    for g in range(mine, len(blocks), share):
         _, a, b = blocks[g]
         digests[g] = np.frombuffer(_block(source, lengths, a, b), dtype=np.uint8)
-    if world > 1 and len(blocks):
-        # Each block's digest is non-zero on one rank only: the sum is that digest exactly.
-        device = (torch.device("cuda", torch.cuda.current_device())
-                  if dist.get_backend() == "nccl" else torch.device("cpu"))
-        t = torch.from_numpy(digests.view(np.int64).copy()).to(device)
-        dist.all_reduce(t)
+    if share > 1 and len(blocks):
+        # Each block's digest is non-zero on one rank of the copy only: the sum is that digest.
+        t = torch.from_numpy(digests.view(np.int64).copy()).to(_device())
+        dist.all_reduce(t, group=group)
         digests = t.cpu().numpy().view(np.uint8).reshape(len(blocks), 32)
     owner = np.array([j for j, _, _ in blocks], dtype=np.int64)
     changed = []
@@ -177,6 +214,14 @@ def verify_content(reader: PlanReader, source: TokenSource) -> None:
         if got != f.get("content_fingerprint"):
             changed.append(f"{names[j] if j < len(names) else f['path']} (content fingerprint "
                            f"{got}, the plan's {f.get('content_fingerprint')})")
+    if world > 1:
+        # Every copy is checked by its own ranks: a copy edited on one node fails every rank.
+        flags = torch.tensor([1 if changed else 0], dtype=torch.int64, device=_device())
+        dist.all_reduce(flags)
+        if int(flags.item()) and not changed:
+            raise ValueError(f"{reader.path}: the tokens of the dataset changed since planning "
+                             "in the copy another rank reads (another node's copy; its ranks "
+                             "name the file): this is not the dataset the plan was made for")
     if changed:
         raise ValueError(f"{reader.path}: the tokens of {'; '.join(changed)} changed since "
                          "planning (the lengths did not): this is not the dataset the plan was "

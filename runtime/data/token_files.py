@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 from numpy.typing import NDArray
@@ -150,8 +151,22 @@ class MegatronTokens:
 
 
 def _is_int_list(t: pa.DataType) -> bool:
-    return bool((pa.types.is_list(t) or pa.types.is_large_list(t))
+    """A list of integers of any Arrow list layout the planner reads (list, large_list,
+    fixed_size_list, list_view, large_list_view)."""
+    return bool((pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+                 or pa.types.is_list_view(t) or pa.types.is_large_list_view(t))
                 and pa.types.is_integer(t.value_type))
+
+
+def _as_offsets_list(arr: pa.Array) -> pa.Array:
+    """``arr`` as a list array with offsets: a fixed_size_list or list_view (which have none)
+    rebuilt from its row lengths and flattened values (a null row stays null)."""
+    if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
+        return arr
+    n = pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+    offsets = pa.array(np.r_[0, np.cumsum(n)], pa.int64())
+    return pa.LargeListArray.from_arrays(offsets, pc.list_flatten(arr),
+                                         mask=arr.is_null() if arr.null_count else None)
 
 
 class ArrowTokens:
@@ -165,7 +180,7 @@ class ArrowTokens:
     def __init__(self, path: str | os.PathLike[str], column: str | None = None, *,
                  cache_bytes: int = 256 << 20) -> None:
         self.path = Path(path)
-        self._parquet = self.path.suffix in (".parquet", ".pq")
+        self._parquet = self.path.suffix.lower() in (".parquet", ".pq")
         try:
             self._open(column)
         except ARROW_ERRORS as e:
@@ -231,6 +246,7 @@ class ArrowTokens:
                 raise ValueError(f"{self.path}: row group {i} is unreadable ({e})") from None
         else:
             arr = self._batches[i].column(self.column)
+        arr = _as_offsets_list(arr)
         # ``offsets`` honours the array's slice offset and indexes into ``values``; both are
         # zero-copy views of the memory map for IPC when there are no nulls.
         offsets = arr.offsets.to_numpy().astype(np.int64, copy=False)
@@ -243,6 +259,13 @@ class ArrowTokens:
             lengths[bad - 1] = 0
             values = values.fill_null(0)
         entry = (offsets, lengths, values.to_numpy())
+        if entry[2].dtype == np.uint64 and len(entry[2]):
+            top = np.flatnonzero(entry[2] > np.iinfo(np.int64).max)
+            if len(top):  # cast to int64 it would read as a negative id
+                row = int(np.searchsorted(offsets, top[0], "right")) - 1
+                raise ValueError(f"{self.path}: sample {int(self._chunk_starts[i]) + row} holds "
+                                 f"token id {int(entry[2][top[0]])}, past the int64 range of "
+                                 "token ids")
         self._cache[i] = entry
         self._cached += entry[2].nbytes
         while self._cached > self._cache_bytes and len(self._cache) > 1:

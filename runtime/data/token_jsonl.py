@@ -2,9 +2,14 @@
 
 The index comes from ``planner.sources.lengths.jsonl_index`` (the same definition of a record as the
 planner's lengths). It is cached as ``<file>.dcpidx`` (npz) beside the file, or in ``cache_dir``
-when that directory is not writable, keyed by the file's size and mtime_ns and the index options,
-and rebuilt when stale. It is written to a temporary name and renamed, so concurrent ranks never
-see half a cache (they may each build it once; the last rename wins, with identical content).
+when that directory is not writable, keyed by the file's identity and the index options, and
+rebuilt when stale. The identity is the device, inode, size, mtime_ns and ctime_ns: ``cp -p``
+over the file (same inode and mtime), ``mv`` of another file onto it (another inode) and
+``touch -r`` (mtime put back) all change it, since no user can set a ctime. A read checks the
+record's token count against the index besides, so an index that still went stale (a file
+system without ctimes) is refused as a changed file, never read as a prefix of other records.
+The cache is written to a temporary name and renamed, so concurrent ranks never see half a
+cache (they may each build it once; the last rename wins, with identical content).
 A read decodes only its record's line with ``json.loads``: the slowest source (whole line per
 read, even for a short segment of a long sample).
 """
@@ -12,11 +17,15 @@ read, even for a short segment of a long sample).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
+import itertools
 import json
 import os
 import tempfile
+import threading
 import warnings
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -57,8 +66,10 @@ class JsonlTokens:
         self.skip_bad_records = skip_bad_records
         self.cache_dir = None if cache_dir is None else Path(cache_dir)
         st = os.stat(self.path)
+        self._stat = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         self._key = json.dumps({"version": INDEX_VERSION, "size": st.st_size,
-                                "mtime_ns": st.st_mtime_ns, "field": field,
+                                "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
+                                "dev": st.st_dev, "ino": st.st_ino, "field": field,
                                 "skip_bad_records": skip_bad_records}, sort_keys=True)
         self.index_built = False
         """True when this instance had to build the index (no valid cache was found)."""
@@ -73,7 +84,8 @@ class JsonlTokens:
             self.index_built = True
             self._write_cache(*loaded)
         self._offsets, self._nbytes, self._lengths = loaded
-        self._file = open(self.path, "rb")  # noqa: SIM115 (closed in close())
+        self._fd_key = -1
+        _FILES.open(self)  # the file as indexed, or a ValueError naming it
 
     def _candidates(self) -> list[Path]:
         beside = self.path.with_name(self.path.name + INDEX_SUFFIX)
@@ -143,19 +155,39 @@ class JsonlTokens:
 
     def read(self, sample_index: int, offset: int, length: int) -> NDArray[np.int64]:
         check_read(str(self.path), self._lengths, sample_index, offset, length)
-        line = os.pread(self._file.fileno(), int(self._nbytes[sample_index]),
-                        int(self._offsets[sample_index]))
+        line = _FILES.pread(self, int(self._nbytes[sample_index]),
+                            int(self._offsets[sample_index]))
         try:
             toks = _record_tokens(line, self.field)
         except ValueError as e:
+            if self._changed():
+                raise ValueError(self._changed()) from None
             raise ValueError(f"{self.path}: record of sample {sample_index} "
                              f"({self._where(sample_index)}) does not decode: {e}") from None
+        want = int(self._lengths[sample_index])
+        if len(toks) != want and not (want == 0 and self.skip_bad_records):
+            raise ValueError(self._changed() or (
+                f"{self.path}: record of sample {sample_index} ({self._where(sample_index)}) "
+                f"holds {len(toks)} tokens, its index says {want}: the file changed since it "
+                "was indexed; this is not the dataset the plan was made for"))
         try:
             return np.asarray(toks[offset:offset + length], dtype=np.int64)
         except (OverflowError, TypeError, ValueError) as e:
             raise ValueError(f"{self.path}: record of sample {sample_index} "
                              f"({self._where(sample_index)}) holds a token that is not an int64 "
                              f"token id ({e})") from None
+
+    def _changed(self) -> str:
+        """A message naming the file if it is no longer the one indexed (replaced, edited,
+        truncated), else ''."""
+        try:
+            st = os.stat(self.path)
+        except OSError as e:
+            return f"{self.path}: gone since it was opened ({e.strerror})"
+        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) != self._stat:
+            return (f"{self.path}: the file changed while it was read (replaced or edited); "
+                    "this is not the dataset the plan was made for")
+        return ""
 
     def _where(self, sample_index: int) -> str:
         """``line L, byte B`` of a sample's record; counts the newlines before it, so it is
@@ -172,7 +204,76 @@ class JsonlTokens:
         return f"line {newlines + 1}, byte {offset}"
 
     def close(self) -> None:
-        self._file.close()
+        _FILES.close(self)
+
+
+class _OpenFiles:
+    """The descriptors of open ``JsonlTokens``, at most ``limit`` at a time in the process
+    (least recently read closed first, reopened on the next read): a dataset of 1,100 shards
+    trains under ``ulimit -n 1024``. A reopened file must be the one indexed (device, inode,
+    size, mtime, ctime), else the read is refused as a changed file; a failed open names the
+    file and the cause."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._fds: OrderedDict[int, int] = OrderedDict()  # source's key -> descriptor
+        self._lock = threading.Lock()
+        self._keys = itertools.count()
+
+    def _fd(self, source: JsonlTokens) -> int:
+        key = source._fd_key
+        fd = self._fds.get(key)
+        if fd is not None:
+            self._fds.move_to_end(key)
+            return fd
+        while len(self._fds) >= min(self.limit, _quarter_of_nofile()):
+            os.close(self._fds.popitem(last=False)[1])
+        try:
+            fd = os.open(source.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            hint = (" (too many open files: raise ulimit -n)" if e.errno == errno.EMFILE
+                    else "")
+            raise ValueError(f"{source.path}: cannot open: {e.strerror}{hint}") from None
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) != source._stat:
+            os.close(fd)
+            raise ValueError(f"{source.path}: the file changed since it was indexed (replaced "
+                             "or edited); this is not the dataset the plan was made for")
+        self._fds[key] = fd
+        return fd
+
+    def open(self, source: JsonlTokens) -> None:
+        with self._lock:
+            source._fd_key = next(self._keys)  # never reused (an id() would be, after GC)
+            self._fd(source)
+
+    def pread(self, source: JsonlTokens, size: int, offset: int) -> bytes:
+        with self._lock:  # an eviction never closes a descriptor another thread reads
+            return os.pread(self._fd(source), size, offset)
+
+    def close(self, source: JsonlTokens) -> None:
+        with self._lock:
+            fd = self._fds.pop(source._fd_key, None)
+            if fd is not None:
+                os.close(fd)
+
+
+def _quarter_of_nofile() -> int:
+    """A quarter of this process's open-files limit (``ulimit -n``), at least 4: the rest is
+    for torch, the process group, the plan and the other sources."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return OPEN_FILES_LIMIT
+    return OPEN_FILES_LIMIT if soft == resource.RLIM_INFINITY else max(4, soft // 4)
+
+
+OPEN_FILES_LIMIT = 64
+"""How many JSONL files the runtime holds open at once at most (``_OpenFiles``; fewer under a
+small ``ulimit -n``)."""
+_FILES = _OpenFiles(OPEN_FILES_LIMIT)
 
 
 def decode_compressed_jsonl(path: str | os.PathLike[str], *, field: str | None = None,

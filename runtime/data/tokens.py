@@ -9,10 +9,10 @@ Formats:
 - JSONL (``JsonlTokens``): a byte-offset index of the lines, built once by
   ``planner.sources.lengths.jsonl_index`` and cached as ``<file>.dcpidx`` (npz) beside the file, or
   in
-  ``cache_dir`` when that directory is not writable. The cache is keyed by the file's size and
-  mtime_ns (and the index options) and rebuilt when stale; it is written to a temporary name and
-  renamed, so concurrent ranks never see half a cache. A read seeks to one line and decodes only
-  that line.
+  ``cache_dir`` when that directory is not writable. The cache is keyed by the file's device,
+  inode, size, mtime_ns and ctime_ns (and the index options) and rebuilt when stale; it is
+  written to a temporary name and renamed, so concurrent ranks never see half a cache. A read
+  seeks to one line and decodes only that line.
 - Arrow IPC file or stream / Parquet (``ArrowTokens``): a list-of-integers column. IPC is
   memory-mapped and a read slices one record batch in place (no copy of the table). Parquet has
   no random access below a row group: a read decodes the sample's row group and an LRU keeps

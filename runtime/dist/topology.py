@@ -28,7 +28,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from planner.planfile.schema import ParallelInfo
+from planner.planfile.schema import TRAIN_COMMAND, ParallelInfo
+
+
+class SameOnEveryRank(ValueError):
+    """A refusal every rank reaches alike (the launch does not fit the plan): the entry point
+    prints it on rank 0 only, not once per rank."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -111,10 +116,10 @@ class Topology:
         """
         expected = parallel.dp * parallel.cp * parallel.tp * parallel.pp
         if expected != world_size:
-            raise ValueError(
+            raise SameOnEveryRank(
                 f"plan built for world_size={expected} (dp={parallel.dp}, cp={parallel.cp}, "
                 f"tp={parallel.tp}, pp={parallel.pp}), got {world_size}: launch "
-                f"{parallel.launch_hint()}"
+                f"{parallel.launch_hint(TRAIN_COMMAND)}"
             )
         return cls(
             world_size=world_size,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -64,3 +65,18 @@ def copy_final_state(result: TrainResult, model: GPT) -> None:
     result.state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     result.grads = {k: p.grad.detach().cpu().clone() for k, p in model.named_parameters()
                     if p.grad is not None}
+
+
+def check_saved_optimizer(cfg: TrainConfig, optimizer: torch.optim.Optimizer,
+                          directory: Path) -> None:
+    """After a resume: the optimizer settings restored from the checkpoint must be this run's.
+    ``load_state_dict`` restores the saved ``lr`` and ``weight_decay``, so a different
+    ``--lr`` would be ignored silently; it is refused, naming the saved value."""
+    for key, flag, want in (("lr", "--lr", cfg.lr), ("weight_decay", "--weight-decay",
+                                                     cfg.weight_decay)):
+        saved = {float(g[key]) for g in optimizer.param_groups}
+        if saved != {float(want)}:
+            value = ", ".join(f"{v:g}" for v in sorted(saved))
+            raise ValueError(f"{directory}: the checkpoint was saved with {flag} {value}, this "
+                             f"run has {flag} {want:g}; resume with {flag} {value} (the "
+                             "optimizer state carries it), or start a new run")

@@ -58,6 +58,7 @@ from runtime.train.savetarget import (
     STATE_FILE,
     STEP_DIR,
     agree,
+    check_continues,
     check_save_target,
     is_checkpoint_dir,
     native_saves,
@@ -65,9 +66,9 @@ from runtime.train.savetarget import (
     step_dir_name,
 )
 
-__all__ = ["FORMAT", "LATEST_FILE", "MANIFEST_FILE", "STATE_FILE", "STEP_DIR", "Resumed",
-           "check_save_target", "config_meta", "is_checkpoint_dir", "load", "native_saves",
-           "resolve", "save", "step_dir_name", "verify"]
+__all__ = ["FORMAT", "LATEST_FILE", "MANIFEST_FILE", "STATE_FILE", "STEP_DIR", "Resumed", "agree",
+           "check_continues", "check_save_target", "config_meta", "is_checkpoint_dir", "load",
+           "native_saves", "resolve", "resolve_agreed", "save", "step_dir_name", "verify"]
 
 FORMAT = 3
 """3: RNG files hold tensors and numbers only. 2 (numpy RNG state as an array) and 1
@@ -132,44 +133,55 @@ def save(directory: str | os.PathLike[str], *, model: torch.nn.Module,
     final, staging = root / name, root / f".{name}.tmp"
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     error = ""
-    if rank == 0:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            remove_leftovers(root)
-            staging.mkdir()
-        except OSError as e:
-            error = f"{staging}: cannot create the checkpoint directory: {e.strerror or e}"
-    if not agree(not error, group):
-        raise ValueError(error or f"{staging}: rank 0 could not create the checkpoint directory")
-    rng_path = staging / f"rng-{rank}.pt"
+    created = False  # only what this save created is removed on the way out
     try:
-        _write_synced(rng_path, obj=rng_state())
-    except OSError as e:
-        error = f"{rng_path}: cannot write: {e.strerror or e}"
-    if not agree(not error, group):
-        _cleanup(rank, staging)
-        raise ValueError(error or f"{staging}: another rank failed to write its RNG file")
-    if rank == 0:
+        if rank == 0:
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+                remove_leftovers(root)
+                staging.mkdir()
+                created = True
+            except OSError as e:
+                error = f"{staging}: cannot create the checkpoint directory: {e.strerror or e}"
+        if not agree(not error, group):
+            raise ValueError(error or f"{staging}: rank 0 could not create the checkpoint "
+                             "directory")
+        rng_path = staging / f"rng-{rank}.pt"
         try:
-            state = {"format": FORMAT, "model": model.state_dict(),
-                     "optimizer": optimizer.state_dict(), "next_step": next_step, "meta": meta}
-            _write_synced(staging / STATE_FILE, obj=state)
-            files = [STATE_FILE] + [f"rng-{r}.pt" for r in range(world)]
-            manifest = {"format": FORMAT, "next_step": next_step, "world_size": world,
-                        "files": {f: {"bytes": (staging / f).stat().st_size,
-                                      "sha256": _sha256(staging / f)} for f in files}}
-            # The manifest last: a directory with a valid manifest is complete.
-            _write_synced(staging / MANIFEST_FILE,
-                          data=json.dumps(manifest, indent=1, sort_keys=True).encode())
-            fsync_dir(staging)
-            _install(root, staging, final)
-        except (OSError, ValueError) as e:
-            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-            error = f"{root}: cannot complete checkpoint {name}: {reason}"
-    ok = agree(not error, group)
-    if not ok:
-        _cleanup(rank, staging)
-        raise ValueError(error or f"{root}: rank 0 failed to complete checkpoint {name}")
+            _write_synced(rng_path, obj=rng_state())
+        except OSError as e:
+            error = f"{rng_path}: cannot write: {e.strerror or e}"
+        if not agree(not error, group):
+            _cleanup(rank, staging)
+            raise ValueError(error or f"{staging}: another rank failed to write its RNG file")
+        if rank == 0:
+            try:
+                state = {"format": FORMAT, "model": model.state_dict(),
+                         "optimizer": optimizer.state_dict(), "next_step": next_step,
+                         "meta": meta}
+                _write_synced(staging / STATE_FILE, obj=state)
+                files = [STATE_FILE] + [f"rng-{r}.pt" for r in range(world)]
+                manifest = {"format": FORMAT, "next_step": next_step, "world_size": world,
+                            "files": {f: {"bytes": (staging / f).stat().st_size,
+                                          "sha256": _sha256(staging / f)} for f in files}}
+                # The manifest last: a directory with a valid manifest is complete.
+                _write_synced(staging / MANIFEST_FILE,
+                              data=json.dumps(manifest, indent=1, sort_keys=True).encode())
+                fsync_dir(staging)
+                _install(root, staging, final)
+            except (OSError, ValueError) as e:
+                reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+                error = f"{root}: cannot complete checkpoint {name}: {reason}"
+        ok = agree(not error, group)
+        if not ok:
+            _cleanup(rank, staging)
+            raise ValueError(error or f"{root}: rank 0 failed to complete checkpoint {name}")
+    except BaseException:
+        # Whatever ended the save (an error above, Ctrl-C, SIGTERM, SIGHUP): its staging goes;
+        # the previous checkpoint stays the latest.
+        if created:
+            _cleanup(rank, staging)
+        raise
     return final
 
 
@@ -214,6 +226,26 @@ def resolve(directory: str | os.PathLike[str]) -> Path:
     if not name.startswith("step-") or "/" in name or not (path / name).is_dir():
         raise ValueError(f"{latest}: names {name!r}, which is not a checkpoint in {path}")
     return path / name
+
+
+def resolve_agreed(directory: str | os.PathLike[str], rank: int,
+                   group: dist.ProcessGroup | None = None) -> Path:
+    """``resolve`` on rank 0 only, its answer (or its error) given to every rank (collective
+    over ``group``): while ``latest`` moves (another run saving), every rank still loads the
+    one checkpoint rank 0 chose."""
+    answer: list[Any] = [None]
+    if rank == 0:
+        try:
+            answer[0] = ("ok", str(resolve(directory)))
+        except ValueError as e:
+            answer[0] = ("error", str(e))
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.broadcast_object_list(answer, src=dist.get_global_rank(group, 0) if group
+                                   else 0, group=group)
+    status, text = answer[0]
+    if status != "ok":
+        raise ValueError(text)
+    return Path(text)
 
 
 def verify(directory: Path, rank: int) -> dict[str, Any] | None:

@@ -32,14 +32,17 @@ from planner.cli.args import (
     HelpFormatter,
     add_json_arguments,
     add_version,
+    error_text,
     flag_message,
     nonnegative_int,
     refuse,
     seed_int,
 )
+from planner.cli.guard import signals_raise
 from planner.sources.dataset import parse_data_path
 from planner.sources.fieldname import override_notice
 from runtime.adapters import FRAMEWORKS, load_launcher
+from runtime.dist.topology import SameOnEveryRank
 from runtime.train.backends import ATTENTIONS
 from runtime.train.config import DTYPES, TrainConfig
 from runtime.train.guards import Terminated, describe_dist_error, raise_terminated
@@ -126,6 +129,9 @@ def _parser() -> argparse.ArgumentParser:
                    default=0, help="also checkpoint every N steps (0: only at the end)")
     p.add_argument("--resume", "--load", dest="resume", default="",
                    help="checkpoint directory to continue from")
+    p.add_argument("--replace-checkpoints", action="store_true",
+                   help="let --save replace checkpoints of another run in its directory, or "
+                   "move its latest back to an earlier step (refused without this flag)")
     p.add_argument("--quiet", action="store_true",
                    help="no per-step lines, no progress bar, no text summary")
     p.add_argument("--verbose", action="store_true",
@@ -219,13 +225,14 @@ def _megatron_options(a: argparse.Namespace) -> MegatronOptions:
 def _plan_datasets(parser: argparse.ArgumentParser, plan: str) -> tuple[str, ...]:
     """The dataset files a plan's header lists (format 2), or its one path (format 1)."""
     from planner.planfile.io import PlanFile
+    from planner.sources.dataset import plan_items
 
     try:
         with PlanFile(plan) as f:
             d = f.header.dataset
     except (OSError, ValueError) as e:
         parser.error(f"--plan: {e}")
-    return tuple(str(x["path"]) for x in d.files) or (d.path,)
+    return plan_items(d.files, d.path)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, GPTConfig, bool, str]:
@@ -254,6 +261,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, GPTConfi
                           lr=a.lr, weight_decay=a.weight_decay, verbose=a.verbose,
                           log_jsonl=a.log_jsonl,
                           save=a.save, save_every=a.save_every, resume=a.resume, quiet=a.quiet,
+                          replace_checkpoints=a.replace_checkpoints,
                           json=a.json, summary_json=a.summary_json,
                           eval_plan=a.eval_plan, eval_dataset=a.eval_dataset,
                           eval_interval=a.eval_interval, eval_steps=a.eval_steps,
@@ -304,7 +312,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg, model_config, reference, framework = parse_args(argv)
     _field_notices(cfg)
     torch.manual_seed(cfg.seed)
-    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    with signals_raise(raise_terminated):  # SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, ...
+        return _main(cfg, model_config, reference, framework)
+
+
+def _main(cfg: TrainConfig, model_config: GPTConfig, reference: bool, framework: str) -> int:
     try:
         # Before any work, on every rank and for every engine: the outputs are safe to write,
         # and the plan is one to train.
@@ -332,7 +344,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             finally:
                 trainer.close()
     except (ValueError, OSError) as e:
-        print(f"dcp-train: error: {flag_message(str(e), TRAIN_FLAGS)}", file=sys.stderr)
+        if not (isinstance(e, SameOnEveryRank) and os.environ.get("RANK", "0") != "0"):
+            print(f"dcp-train: error: {flag_message(error_text(e), TRAIN_FLAGS)}",
+                  file=sys.stderr)
         return 2
     except (KeyboardInterrupt, Terminated) as e:
         signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
@@ -344,7 +358,5 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"dcp-train: error: {message}", file=sys.stderr)
         return 3
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     return 0
 

@@ -28,6 +28,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """``--dtype``: the torch dtype each name stands for."""
 
 
+MAX_TIMEOUT_MINUTES = 525_600
+"""The longest ``--distributed-timeout-minutes`` (365 days): beyond, the timeout overflows."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     """Everything a training run needs besides the model shape."""
@@ -67,6 +71,9 @@ class TrainConfig:
     """Steps between checkpoints; 0: only at the end."""
     resume: str = ""
     """Checkpoint directory to continue from."""
+    replace_checkpoints: bool = False
+    """Let ``save`` replace another run's checkpoints in its directory, or move its ``latest``
+    back to an earlier step; refused otherwise (``checkpoint.check_continues``)."""
     quiet: bool = False
     """Do not print the per-step lines."""
     eval_plan: str = ""
@@ -120,8 +127,10 @@ class TrainConfig:
         for name in ("field", "eval_field"):
             if getattr(self, name) == "":
                 raise ValueError(f"{name} must be a field name or None, got ''")
-        if not self.distributed_timeout_minutes > 0:
-            raise ValueError("--distributed-timeout-minutes must be > 0, got "
+        if not 0 < self.distributed_timeout_minutes <= MAX_TIMEOUT_MINUTES:
+            # inf or 1e308 overflowed timedelta / torch's milliseconds (a traceback).
+            raise ValueError("--distributed-timeout-minutes must be > 0 and at most "
+                             f"{MAX_TIMEOUT_MINUTES} (about a year), got "
                              f"{self.distributed_timeout_minutes}")
         # The torch path also runs on CPU, with an SDPA stand-in for the CUDA kernel (tests).
         if self.attention == "te" and self.device != "cuda":

@@ -29,6 +29,7 @@ from runtime.train.build import (
     autocast_context,
     build_model,
     build_optimizer,
+    check_saved_optimizer,
     checkpoint_meta,
     copy_final_state,
 )
@@ -207,10 +208,12 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
     meta = checkpoint_meta(model_config, reader)
     start = 0
     if cfg.resume:
-        start = checkpoint.load(cfg.resume, model=model, optimizer=optimizer, rank=0,
-                                expect_meta=meta).next_step
+        resumed = checkpoint.load(cfg.resume, model=model, optimizer=optimizer, rank=0,
+                                  expect_meta=meta)
+        check_saved_optimizer(cfg, optimizer, resumed.directory)
+        start = resumed.next_step
         if check_resume_step(cfg, start, reader.num_steps):
-            announce_resume(checkpoint.resolve(cfg.resume), start)
+            announce_resume(resumed.directory, start)  # the one loaded
     if cfg.save:
         stop = step_range(cfg, start, reader.num_steps).stop
         checkpoint.check_save_target(cfg.save, 0, writes=checkpoint.native_saves(

@@ -8,6 +8,11 @@ framework adapter, so two runs of one plan compare line by line (``loss``, ``tok
 ``loss_tokens``) whatever ``--framework`` ran them; keys that only some engines know
 (``grad_norm``, MoE and MTP terms) are left out of a line rather than written as null.
 
+A closed stdout (``dcp-train ... | head -1``: the reader ended, the next write is EPIPE) stops
+the printing, never the training: the logger says so once on stderr, sends stdout to
+``/dev/null`` (so no later print, nor Python's flush at exit, fails) and the run goes on to its
+checkpoints, ``--log-jsonl`` and ``--summary-json``.
+
 Trade-off: the logger keeps every step's record in memory until ``close``, so the summary can
 give exact medians and totals; a small record per step, fine for the step counts of a plan.
 """
@@ -15,6 +20,7 @@ give exact medians and totals; a small record per step, fine for the step counts
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, field, replace
 from typing import IO, Any
@@ -116,6 +122,7 @@ class StepLogger:
         """Facts of the engine that ran (framework, versions, ...), added to the summary."""
         self.cfg = cfg
         self.quiet = cfg.quiet
+        self.stdout_closed = False
         self.file: IO[str] | None = None
         self.logs: list[StepLog] = []
         self.evals: list[EvalLog] = []
@@ -139,7 +146,7 @@ class StepLogger:
             log = replace(log, predicted_s=self._prediction(log.step))
         line = log.to_json()
         if not self.quiet:
-            self.bar.write(line)
+            self._print(self.bar.write, line)
         if isinstance(log, StepLog):
             self.logs.append(log)
             self.bar.update(1, loss=f"{log.loss:.4f}")
@@ -158,14 +165,32 @@ class StepLogger:
             self.file.close()
             self.file = None
         if self.enabled and self.logs and (self.cfg.json or self.cfg.summary_json
-                                           or not self.quiet):
+                                           or not self.cfg.quiet):
             summary = {**run_summary(self.cfg, self.logs), **self.summary_fields}
             if self.evals:
                 summary["evaluations"] = len(self.evals)
                 summary["eval_loss_last"] = self.evals[-1].eval_loss
-            if not self.cfg.json and not self.quiet:
+            if not self.cfg.json and not self.cfg.quiet:
                 print(format_run_summary(summary), file=sys.stderr, flush=True)
-            emit_summary(summary, "", as_json=self.cfg.json, json_path=self.cfg.summary_json)
+            if self.cfg.json and not self.stdout_closed:
+                self._print(lambda _: emit_summary(summary, "", as_json=True, json_path=""), "")
+            emit_summary(summary, "", as_json=False, json_path=self.cfg.summary_json)
+
+    def _print(self, write: Any, line: str) -> None:
+        """``write(line)`` to stdout; a closed stdout ends the printing (module docstring)."""
+        try:
+            write(line)
+        except BrokenPipeError:
+            self.quiet = self.stdout_closed = True
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, sys.stdout.fileno())
+            finally:
+                os.close(devnull)
+            print("dcp-train: notice: stdout was closed (its reader ended, as with | head); "
+                  "training goes on without printing the steps"
+                  + (f" (they go to {self.cfg.log_jsonl})" if self.cfg.log_jsonl else ""),
+                  file=sys.stderr, flush=True)
 
 
 def run_summary(cfg: TrainConfig, logs: list[StepLog]) -> dict[str, Any]:

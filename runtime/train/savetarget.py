@@ -150,3 +150,36 @@ def remove_leftovers(root: Path) -> None:
     for p in root.iterdir():
         if _LEFTOVER.match(p.name) and p.is_dir() and not p.is_symlink() and _only_our_files(p):
             shutil.rmtree(p, ignore_errors=True)
+
+
+def check_continues(save: str | os.PathLike[str], *, resumed: Path | None, start: int,
+                    replace: bool) -> None:
+    """Refuse a ``--save`` directory whose checkpoints this run would not continue, before the
+    first step: one whose ``latest`` names a checkpoint of another run (this run resumes from
+    elsewhere, or from nothing), or one whose ``latest`` lies past ``start`` (the saves would
+    move it back). ``replace`` (``--replace-checkpoints``) allows both.
+
+    Raises:
+        ValueError: naming the directory, its latest checkpoint and the way out.
+    """
+    root = Path(save)
+    latest = root / LATEST_FILE
+    if replace or not latest.is_file():
+        return
+    try:
+        name = latest.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return  # check_save_target / resolve name an unreadable latest
+    m = STEP_DIR.match(name)
+    if m is None:
+        return
+    if resumed is None or resumed.parent.resolve() != root.resolve():
+        source = f"this run resumes from {resumed}" if resumed else "this run starts afresh"
+        raise ValueError(f"--save {save}: holds the checkpoints of another run (latest "
+                         f"{name}), and {source}; --resume {save} continues them, "
+                         "--replace-checkpoints replaces them, or choose another directory")
+    if int(m.group(1)) > start:
+        raise ValueError(f"--save {save}: its latest checkpoint is {name}, this run resumes "
+                         f"from {resumed.name} (step {start}) and its saves would move latest "
+                         "back to an earlier step; resume from the latest, or pass "
+                         "--replace-checkpoints")

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -61,6 +62,7 @@ from runtime.train.build import (
     autocast_context,
     build_model,
     build_optimizer,
+    check_saved_optimizer,
     checkpoint_meta,
     copy_final_state,
 )
@@ -137,16 +139,29 @@ class Trainer:
                                        model_config, self.backend, self.device)
             self._owned.append(self.evaluator)
         self.start = 0
+        loaded: Path | None = None
         if cfg.resume:
-            resumed = checkpoint.load(cfg.resume, model=self.model, optimizer=self.optimizer,
+            # Rank 0 picks the checkpoint (latest may move meanwhile); every rank loads it.
+            loaded = checkpoint.resolve_agreed(cfg.resume, self.rank)
+            resumed = checkpoint.load(loaded, model=self.model, optimizer=self.optimizer,
                                       rank=self.rank,
                                       expect_meta=checkpoint_meta(model_config, self.reader))
+            check_saved_optimizer(cfg, self.optimizer, resumed.directory)
             self.start = resumed.next_step
             if check_resume_step(cfg, self.start, self.reader.num_steps,
                                  notice=self.rank == 0) and self.rank == 0:
-                announce_resume(checkpoint.resolve(cfg.resume), self.start)
+                announce_resume(resumed.directory, self.start)
         if cfg.save:
-            # Before the first step: a save that would fail, or replace what is not ours.
+            # Before the first step: a save that would fail, or replace what is not ours, or
+            # another run's checkpoints, or move latest back.
+            error = ""
+            try:
+                checkpoint.check_continues(cfg.save, resumed=loaded, start=self.start,
+                                           replace=cfg.replace_checkpoints)
+            except ValueError as e:
+                error = str(e)
+            if not checkpoint.agree(not error, None):
+                raise ValueError(error or f"--save {cfg.save}: refused on another rank")
             stop = step_range(cfg, self.start, self.reader.num_steps).stop
             checkpoint.check_save_target(
                 cfg.save, self.rank, writes=checkpoint.native_saves(self.start, stop,

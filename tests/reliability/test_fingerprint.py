@@ -227,3 +227,32 @@ def _train_cli(rank: int, world_size: int, store: str, argv: list[str]) -> tuple
     with contextlib.redirect_stderr(err):
         code = train_main(argv)
     return code, err.getvalue()
+
+
+def _verify_own_copy(rank: int, world: int, store: str, plan: str,
+                     copies: list[list[str]]) -> str:
+    content.BLOCK_TOKENS = 500
+    with PlanReader(plan) as reader:
+        try:
+            open_plan_source(reader, copies[rank])
+        except ValueError as e:
+            return str(e)
+    return ""
+
+
+@pytest.mark.dist
+@pytest.mark.usefixtures("small_blocks")
+@pytest.mark.parametrize("edited", [0, 1])
+def test_every_copy_read_is_hashed_whole(tmp_path: Path, edited: int) -> None:
+    """Nodes with their own copies (here: each rank its own files): each rank hashed 1/W of
+    the blocks from its copy, so an edited copy trained when its edited block fell to a rank
+    of another copy (issue 32). Now the ranks of each copy hash all of it; every rank fails."""
+    good, bad = _multi(tmp_path / "good", False), _multi(tmp_path / "bad", True)
+    plan = tmp_path / "p.arrow"
+    assert plan_main(["--data-path", "0.5", good[0], "0.5", good[1], "-o", str(plan), *PLAN,
+                      "--fingerprint", "content"]) == 0
+    copies = [bad if r == edited else good for r in range(2)]
+    got = run_distributed(_verify_own_copy, 2, str(plan), copies)
+    assert f"the tokens of {bad[0]} (content fingerprint" in got[edited]
+    assert "in the copy another rank reads" in got[1 - edited]
+    assert run_distributed(_verify_own_copy, 2, str(plan), [good, good]) == ["", ""]

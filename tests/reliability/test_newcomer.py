@@ -54,8 +54,10 @@ def test_the_summary_says_how_to_launch_and_the_mismatch_too(
     assert train_main(["--plan", str(pool4), "--dataset", str(SAMPLE), "--vocab-size", "32000",
                        "--steps", "1", "--quiet"]) == 2
     err = stderr_of(capsys)
+    # The hint is a command that runs (issue 32: it left out -m runtime.train).
     assert "plan built for world_size=4 (dp=2, cp=2, tp=1, pp=1), got 1: launch torchrun " \
-           "--nproc-per-node 4 (dp 2 x cp 2 x tp 1 x pp 1 = 4 processes" in err
+           "--nproc-per-node 4 -m runtime.train ARGS (dp 2 x cp 2 x tp 1 x pp 1 = 4 processes" \
+           in err
 
 
 def test_validate_reads_the_plans_skip_policy(tmp_path: Path,

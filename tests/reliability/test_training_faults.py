@@ -140,7 +140,8 @@ def test_full_disk_during_save_names_the_path_and_keeps_the_old_checkpoint(
         assert _train(run, "--steps", "1", "--save", str(ck)) == 0  # small: fits
         big = ["--hidden-size", "128"]  # later argparse value wins: a model that does not fit
         assert train_main(["--plan", str(run["plan"]), "--dataset", str(run["data"]),
-                           *TRAIN_FLAGS, *big, "--steps", "1", "--save", str(ck)]) == 2
+                           *TRAIN_FLAGS, *big, "--steps", "1", "--save", str(ck),
+                           "--replace-checkpoints"]) == 2  # another run's: replace it
         err = capsys.readouterr().err
         assert "No space left on device" in err
         assert str(ck) in err

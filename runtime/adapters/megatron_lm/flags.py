@@ -23,6 +23,7 @@ from typing import Any
 
 from planner.groups import ZIGZAG
 from planner.planfile.schema import PlanHeader
+from planner.sources.dataset import plan_items
 
 Args = Any
 """Megatron-LM's argument namespace (``argparse.Namespace``)."""
@@ -245,7 +246,8 @@ def data_path_files(data_path: list[str], reader: Any, given: tuple[str, ...]
         raise ValueError(f"--data-path {' '.join(data_path)}: the plan {reader.path} was made "
                          f"for {' '.join(files)} (the plan's data is read through the plan; "
                          "--data-path may only name the same files)")
-    return tuple(files)
+    # Stored paths are files, never patterns (a name with glob characters is escaped).
+    return tuple(plan_items(reader.header.dataset.files, reader.header.dataset.path))
 
 
 def _is_number(text: str) -> bool:

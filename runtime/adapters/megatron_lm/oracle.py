@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from planner.sources.dataset import plan_items
 from runtime.adapters.megatron_lm import LauncherOptions
 
 _VALUE_FLAGS = frozenset({
@@ -147,8 +148,7 @@ def _train(options: LauncherOptions, args: Any, data_path: list[str]) -> None:
                                       betas=(a.adam_beta1, a.adam_beta2),
                                       eps=a.adam_eps, foreach=False)
         scheduler = mlm.training.get_optimizer_param_scheduler(optimizer)
-        files = dataset or tuple(str(f["path"]) for f in header.dataset.files) \
-            or (header.dataset.path,)
+        files = dataset or plan_items(header.dataset.files, header.dataset.path)
         cfg = TrainConfig(plan=options.plan, dataset=files[0], datasets=tuple(files),
                           eval_plan=options.eval_plan, eval_dataset=files[0] if options.eval_plan
                           else "", eval_steps=a.eval_iters if options.eval_plan else 0)

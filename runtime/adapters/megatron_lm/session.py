@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from planner.sources.dataset import plan_items
 from runtime.adapters.megatron.binding.batch import Batch, PlanBatches
 from runtime.adapters.megatron.binding.forward import ForwardOptions, forward_step
 from runtime.adapters.megatron.binding.groups import MegatronGroups, groups_from_parallel_state
@@ -200,4 +201,4 @@ def _add_seqlen_stats(batch: Batch) -> None:
 
 def _plan_files(reader: PlanReader) -> tuple[str, ...]:
     d = reader.header.dataset
-    return tuple(str(x["path"]) for x in d.files) or (d.path,)
+    return plan_items(d.files, d.path)

@@ -25,11 +25,13 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+import torch.distributed as dist
+
+from runtime.adapters.torchtitan.checkpointer import PlanCheckpointManager
 from runtime.adapters.torchtitan.data import PlanDataLoader, PlanTokenizer
 from runtime.adapters.torchtitan.model import llama3_config, model_spec
 from runtime.adapters.torchtitan.section import max_seq_len
 from runtime.adapters.torchtitan.titan import (
-    CheckpointManager,
     CommConfig,
     CrossEntropyLoss,
     LRSchedulersContainer,
@@ -55,6 +57,16 @@ def latest_checkpoint(folder: str) -> int:
     steps = [int(m.group(1)) for p in Path(folder).glob("step-*")
              if (m := _STEP_DIR.search(p.name)) and (p / ".metadata").is_file()]
     return max(steps, default=-1)
+
+
+def agreed_latest(folder: str) -> int:
+    """``latest_checkpoint`` as rank 0 sees it, on every rank (a collective when a process
+    group is up): while another run adds a ``step-N``, every rank still loads the same one."""
+    step = [latest_checkpoint(folder) if not dist.is_initialized() or dist.get_rank() == 0
+            else -1]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(step, src=0)
+    return int(step[0])
 
 
 _DCP_FILE = re.compile(r"^(?:\.metadata(?:\.tmp)?|__\d+_\d+\.distcp)$")
@@ -89,7 +101,7 @@ def check_titan_start(cfg: TrainConfig, rank: int) -> None:
         return
     with PlanReader(cfg.plan) as reader:
         num_steps = reader.num_steps
-    start = max(latest_checkpoint(cfg.resume), 0) if cfg.resume else 0
+    start = max(agreed_latest(cfg.resume), 0) if cfg.resume else 0
     # At the run's end: a notice (torchtitan's loop then runs no step); else where it continues.
     if cfg.resume and check_resume_step(cfg, start, num_steps, notice=rank == 0) and rank == 0:
         # torchtitan's step-N holds N completed steps: the next 0-based step is N.
@@ -100,11 +112,12 @@ def check_titan_start(cfg: TrainConfig, rank: int) -> None:
                           is_ours=is_titan_checkpoint, inputs=run_inputs(cfg))
 
 
-def checkpoint_config(cfg: TrainConfig) -> CheckpointManager.Config:
+def checkpoint_config(cfg: TrainConfig) -> PlanCheckpointManager.Config:
     """torchtitan's checkpointer for ``--save`` / ``--resume`` (see the module docstring)."""
     if not cfg.save and not cfg.resume:
-        return CheckpointManager.Config(enable=False, initial_load_model_only=False)
-    if cfg.resume and latest_checkpoint(cfg.resume) < 0:
+        return PlanCheckpointManager.Config(enable=False, initial_load_model_only=False)
+    step = agreed_latest(cfg.resume) if cfg.resume else -1
+    if cfg.resume and step < 0:
         raise ValueError(f"--resume {cfg.resume}: no complete torchtitan checkpoint (step-N with "
                          ".metadata) in it")
     save = os.path.abspath(cfg.save) if cfg.save else ""
@@ -115,11 +128,13 @@ def checkpoint_config(cfg: TrainConfig) -> CheckpointManager.Config:
                          f"{cfg.save} to continue them, or choose an empty directory")
     initial = ""
     if resume and save != resume:
-        initial = os.path.join(resume, f"step-{latest_checkpoint(resume)}")
-    return CheckpointManager.Config(
+        initial = os.path.join(resume, f"step-{step}")
+    return PlanCheckpointManager.Config(
         enable=True, folder=save or resume, load_only=not save,
         interval=cfg.save_every or 2**31 - 1, last_save_model_only=False,
-        initial_load_path=initial or None, initial_load_model_only=False, keep_latest_k=0)
+        initial_load_path=initial or None, initial_load_model_only=False, keep_latest_k=0,
+        # Loading from the folder itself: the step rank 0 chose, not each rank's own scan.
+        load_step=step if resume and (not save or save == resume) else -1)
 
 
 def validator_config(cfg: TrainConfig, *, last_step: int) -> PlanValidator.Config:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from runtime.adapters.torchtitan.attention import PlanMasks
+from runtime.adapters.torchtitan.checkpointer import PlanCheckpointManager
 from runtime.adapters.torchtitan.data import MICROBATCH_KEY, PlanDataLoader, PlanTokenizer
 from runtime.adapters.torchtitan.model import build_llama3, gpt_shape
 from runtime.adapters.torchtitan.section import FROM_PLAN, PlanSection, apply_plan
@@ -41,7 +42,6 @@ from runtime.adapters.torchtitan.titan import (
     BaseCheckpointManager,
     BaseLoss,
     BaseTokenizer,
-    CheckpointManager,
     CrossEntropyLoss,
     MetricsProcessor,
     Trainer,
@@ -101,7 +101,7 @@ def copy_seeded_weights(model: torch.nn.Module, model_config: Any, seed: int) ->
 
 
 def _no_checkpoint() -> BaseCheckpointManager.Config:
-    return CheckpointManager.Config(enable=False, initial_load_model_only=False)
+    return PlanCheckpointManager.Config(enable=False, initial_load_model_only=False)
 
 
 def _vocab_from_model(config: PlanTrainer.Config) -> None:

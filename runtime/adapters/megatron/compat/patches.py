@@ -7,8 +7,8 @@ device's and the common ones): one function per workaround.
   padding-mask scatter that ignores the caller's TP group, pipeline messages that gloo cannot
   tell apart with two pipeline stages, checkpoint replica ids read from the global
   ``parallel_state``, torch AdamW's step lost by the distributed optimizer's load (no Apex or
-  TE), objects in checkpoint shards unpickled with ``weights_only=False``, TE's CP stream, and
-  three known upstream warnings.
+  TE), TE's CP stream, and three known upstream warnings. (Objects in checkpoint shards load
+  as data through ``runtime.train.dcpsafe``.)
 
 Each function says which upstream file it works around and why; all are idempotent.
 """
@@ -246,36 +246,6 @@ def checkpoint_groups(tp: dist.ProcessGroup, pool: dist.ProcessGroup) -> Iterato
         yield
     finally:
         _STATE_GROUPS.reset(token)
-
-
-class _TorchLoadsWeightsOnly(types.ModuleType):
-    """``torch`` whose ``load`` never unpickles arbitrary objects (``weights_only=True``)."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
-    @staticmethod
-    def load(f: Any, *args: Any, weights_only: bool = True, **kwargs: Any) -> Any:
-        del weights_only
-        return torch.load(f, *args, weights_only=True, **kwargs)
-
-
-@contextlib.contextmanager
-def checkpoint_bytes_weights_only() -> Iterator[None]:
-    # torch/distributed/checkpoint/default_planner.py (DefaultLoadPlanner.load_bytes), which
-    # Megatron's torch_dist strategy loads through, reads every non-tensor object of a
-    # checkpoint with torch.load(weights_only=False): a crafted shard file would run code.
-    # During a Megatron checkpoint load it reads them with weights_only=True (tensors,
-    # containers, numbers, strings and the classes Megatron registers as safe globals).
-    import torch.distributed.checkpoint.default_planner as planner_module
-
-    module: Any = planner_module
-    saved = module.torch
-    module.torch = _TorchLoadsWeightsOnly("torch")
-    try:
-        yield
-    finally:
-        module.torch = saved
 
 
 _TE_FUSED_NAMES = ("fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",

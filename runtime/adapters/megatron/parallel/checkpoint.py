@@ -28,7 +28,7 @@ optimizer kind), and torch's checkpoint metadata (``model/.metadata``, a pickle 
 with ``pickle.load``) through an unpickler that admits only the checkpoint metadata's own
 classes; the objects stored inside the shards (torch unpickles them with
 ``weights_only=False``) are read with ``weights_only=True`` during the load
-(``patches.checkpoint_bytes_weights_only``), as are Megatron's ``common.pt`` (0.16; 0.19 keeps
+(``runtime.train.dcpsafe``), as are Megatron's ``common.pt`` (0.16; 0.19 keeps
 it in the shards) and the RNG files: a crafted checkpoint cannot run code.
 """
 
@@ -38,7 +38,6 @@ import hashlib
 import io
 import json
 import os
-import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -53,6 +52,7 @@ from runtime.adapters.megatron.model.gpt import unwrap
 from runtime.adapters.megatron.parallel import ddp
 from runtime.train import checkpoint as native
 from runtime.train import savetarget
+from runtime.train.dcpsafe import check_metadata_pickle, objects_load_as_data
 from runtime.train.rngstate import load_rng, rng_state, set_rng_state
 
 FORMAT = 1
@@ -278,12 +278,12 @@ def load(directory: str | os.PathLike[str], *, chunks: list[nn.Module], optimize
         path = native.resolve(directory)
         run = _check_run(path, expect_meta, options)
         _verify_share(path)
-        _check_metadata_pickle(path / MODEL_DIR / ".metadata")
+        check_metadata_pickle(path / MODEL_DIR / ".metadata")
     except ValueError as e:
         error = str(e)
     _agree(error)
     state = _state_dict(chunks, optimizer, scheduler, groups, loading=True)
-    with patches.checkpoint_bytes_weights_only():
+    with objects_load_as_data():
         loaded = mcore.dist_checkpointing.load(state, str(path / MODEL_DIR))
     if scheduler is not None:
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
@@ -355,41 +355,3 @@ def _verify_share(path: Path) -> None:
                              f"manifest says {want.get('bytes')} (truncated?)")
         if _sha256(p) != want.get("sha256"):
             raise ValueError(f"{p}: damaged checkpoint file: sha256 differs from the manifest")
-
-
-_METADATA_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {
-        "BytesStorageMetadata", "ChunkStorageMetadata", "Metadata", "MetadataIndex",
-        "StorageMeta", "TensorProperties", "TensorStorageMetadata", "_MEM_FORMAT_ENCODING"},
-    "torch.distributed.checkpoint.planner": {
-        "SavePlan", "TensorWriteData", "WriteItem", "WriteItemType", "BytesIOWriteData"},
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},  # a torch layout by its name
-    "torch": {"Size"},
-    "collections": {"OrderedDict"},
-}
-"""What torch's checkpoint metadata pickles: its dataclasses and enums (whose construction runs
-no code of the pickle's choosing), torch.Size, layouts and dtypes. Nothing else is admitted."""
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admits ``_METADATA_CLASSES`` and torch dtypes, nothing else."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if dtype or name in _METADATA_CLASSES.get(module, ()):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name}")
-
-
-def _check_metadata_pickle(path: Path) -> None:
-    """Refuse torch checkpoint metadata that names anything but metadata (it could run code)."""
-    try:
-        with open(path, "rb") as f:
-            _MetadataUnpickler(f).load()
-    except pickle.UnpicklingError as e:
-        raise ValueError(f"{path}: refers to {e}, which checkpoint metadata never holds; "
-                         "refusing to load a checkpoint that could run code") from None
-    except Exception as e:  # noqa: BLE001 - a damaged pickle raises anything
-        raise ValueError(f"{path}: unreadable checkpoint metadata ({type(e).__name__}: "
-                         f"{e})") from None

@@ -135,15 +135,27 @@ class MegatronTrainer:
         if options.model_meta():  # MoE / MTP: part of the model's shape
             self.meta["model"] = {**self.meta["model"], **options.model_meta()}
         self.has_steps = True
+        loaded = None
         if cfg.resume:
-            self.start_step = job.load(cfg.resume, self.chunks, self.optimizer,
+            # Rank 0 picks the checkpoint (latest may move meanwhile); every rank loads it.
+            loaded = native_checkpoint.resolve_agreed(cfg.resume, self.rank)
+            self.start_step = job.load(str(loaded), self.chunks, self.optimizer,
                                        scheduler=self.scheduler, meta=self.meta)
             self.has_steps = check_resume_step(cfg, self.start_step, self.reader.num_steps,
                                                notice=self.rank == 0)
             if self.rank == 0 and self.has_steps:
-                print(f"dcp-train: resuming from {native_checkpoint.resolve(cfg.resume)} at "
-                      f"step {self.start_step}", file=sys.stderr, flush=True)
+                print(f"dcp-train: resuming from {loaded} at step {self.start_step}",
+                      file=sys.stderr, flush=True)
         if cfg.save:  # before any step: a target that cannot take these checkpoints fails now
+            error = ""
+            try:  # another run's checkpoints, or a latest that would move back
+                native_checkpoint.check_continues(cfg.save, resumed=loaded,
+                                                  start=self.start_step,
+                                                  replace=cfg.replace_checkpoints)
+            except ValueError as e:
+                error = str(e)
+            if not native_checkpoint.agree(not error, None):
+                raise ValueError(error or f"--save {cfg.save}: refused on another rank")
             stop = step_range(cfg, self.start_step, self.reader.num_steps).stop
             checkpoint.check_target(cfg.save, start=self.start_step, stop=stop,
                                     save_every=cfg.save_every, inputs=run_inputs(cfg))

@@ -193,3 +193,16 @@ def test_resume_from_a_native_checkpoint_is_refused(saved: dict[str, Any],
     (fake / "state.pt").write_bytes(b"")
     errors = _errors(replace(saved["config"], resume=str(fake)))
     assert all("a checkpoint of another --framework" in e for e in errors), errors
+
+
+def test_another_runs_checkpoints_are_not_replaced(saved: dict[str, Any]) -> None:
+    """A run without --resume (another seed) saving into a directory of checkpoints would
+    replace them and move latest (issue 32); refused on every rank before the first step."""
+    ck = _copy(saved, "other-run").parent
+    before = sorted(p.name for p in ck.iterdir())
+    latest = (ck / "latest").read_text()
+    errors = _errors(replace(saved["config"], steps=2, seed=5, save=str(ck)))
+    assert all(f"--save {ck}: holds the checkpoints of another run (latest step-00000002)"
+               in e for e in errors), errors
+    assert sorted(p.name for p in ck.iterdir()) == before
+    assert (ck / "latest").read_text() == latest
