@@ -176,4 +176,7 @@ def test_dcp_train_ends_cleanly_on_every_ending_signal(tmp_path: Path, sig: int)
     assert proc.returncode == 128 + sig, err
     assert f"dcp-train: interrupted by {signal.Signals(sig).name}" in err
     assert no_traceback(err), err
-    assert not [p.name for p in (tmp_path / "ck").iterdir() if p.name.endswith(".tmp")]
+    # The signal can land before the first save made the directory: then nothing is left.
+    ck = tmp_path / "ck"
+    assert not ck.exists() or not [p.name for p in ck.iterdir() if p.name.endswith(".tmp")]
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
