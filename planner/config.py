@@ -16,7 +16,7 @@ from planner.groups import (
     pad_multiple,
     valid_cp_sizes,
 )
-from planner.planfile.schema import EVAL, PLAN_KINDS
+from planner.planfile.version import EVAL, PLAN_KINDS
 
 LONG_SEQUENCE_POLICIES = ("error", "split", "truncate", "drop")
 MAX_SEED = 2**64 - 1

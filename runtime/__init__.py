@@ -15,8 +15,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from runtime.data.shard import contiguous_indices, cu_seqlens, shard_indices, zigzag_indices
-
 _EXPORTS = {
     "GroupCatalog": "runtime.dist.groups",
     "Microbatch": "runtime.data.replay",
@@ -24,6 +22,10 @@ _EXPORTS = {
     "PlanReader": "runtime.data.plan_reader",
     "Replayer": "runtime.data.replay",
     "Topology": "runtime.dist.topology",
+    "contiguous_indices": "runtime.data.shard",
+    "cu_seqlens": "runtime.data.shard",
+    "shard_indices": "runtime.data.shard",
+    "zigzag_indices": "runtime.data.shard",
     "open_token_source": "runtime.data.tokens",
 }
 
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     from runtime.data.batch import MicrobatchInputs
     from runtime.data.plan_reader import PlanReader
     from runtime.data.replay import Microbatch, Replayer
+    from runtime.data.shard import contiguous_indices, cu_seqlens, shard_indices, zigzag_indices
     from runtime.data.tokens import open_token_source
     from runtime.dist.groups import GroupCatalog
     from runtime.dist.topology import Topology

@@ -138,7 +138,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def version_string(prog: str) -> str:
     """``prog VERSION (plan format N, Python X.Y)``."""
-    from planner.planfile.schema import CREATOR_VERSION, FORMAT_VERSION
+    from planner.planfile.version import CREATOR_VERSION, FORMAT_VERSION
 
     try:
         version = metadata.version("dcp-planner")
@@ -146,6 +146,18 @@ def version_string(prog: str) -> str:
         version = CREATOR_VERSION
     py = f"{sys.version_info.major}.{sys.version_info.minor}"
     return f"{prog} {version} (plan format {FORMAT_VERSION}, Python {py})"
+
+
+def exit_on_version(prog: str, argv: list[str] | None = None) -> None:
+    """Print the version line and exit 0 if the command line asks for ``--version``, before the
+    command imports anything heavy (torch for ``dcp-train`` and ``dcp-calibrate``: issue 29). The
+    same answer as the parser's ``--version``, which stays for ``--help``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--" in args:  # what follows is not an option
+        args = args[: args.index("--")]
+    if "--version" in args:
+        print(version_string(prog))
+        raise SystemExit(0)
 
 
 def add_version(parser: argparse.ArgumentParser) -> None:

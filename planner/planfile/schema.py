@@ -19,21 +19,18 @@ import numpy as np
 import pyarrow as pa
 from numpy.typing import NDArray
 
+from planner.planfile import version
 from planner.planfile.checksum import HEADER_CHECKSUM_KEY, header_digest
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
-"""Format versions this reader accepts (the version-1 plans in plans/golden must keep reading).
-Version 2 adds the header's ``kind``, ``dataset.files`` and ``global_batch.blend``, and the
-header and per-step sha256 (``planner.planfile.checksum``)."""
-TRAIN = "train"
-EVAL = "eval"
-PLAN_KINDS = (TRAIN, EVAL)
-"""Header ``kind``: a training plan (epochs of shuffled global batches, one per optimizer step) or
-an evaluation plan (one pass over the dataset in file order, the last partial batch kept)."""
-HEADER_KEY = b"dcp.plan"
-CREATOR = "dcp-planner"
-CREATOR_VERSION = "0.1.0"
+# The contract's names, defined in version.py (no numpy or pyarrow there) and named here too.
+FORMAT_VERSION = version.FORMAT_VERSION
+READABLE_VERSIONS = version.READABLE_VERSIONS
+TRAIN = version.TRAIN
+EVAL = version.EVAL
+PLAN_KINDS = version.PLAN_KINDS
+HEADER_KEY = version.HEADER_KEY
+CREATOR = version.CREATOR
+CREATOR_VERSION = version.CREATOR_VERSION
 
 COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
     ("step", pa.int32()),

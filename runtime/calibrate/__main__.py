@@ -4,6 +4,6 @@ from __future__ import annotations
 
 import sys
 
-from runtime.calibrate.cli import main
+from runtime.calibrate import main
 
 sys.exit(main())

@@ -4,6 +4,6 @@ from __future__ import annotations
 
 import sys
 
-from runtime.train.cli import main
+from runtime.train import main
 
 sys.exit(main())
