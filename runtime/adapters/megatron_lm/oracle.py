@@ -16,6 +16,7 @@ shared with ``dcp-train --reference``); evaluations follow Megatron-LM's (every
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import tempfile
@@ -95,6 +96,7 @@ def run(options: LauncherOptions, command: list[str]) -> None:
 
 def _train(options: LauncherOptions, args: Any, data_path: list[str]) -> None:
     from planner.fileguard import open_log
+    from planner.prediction import StepPrediction
     from runtime.adapters.megatron.binding.groups import create_groups
     from runtime.adapters.megatron.binding.install import install
     from runtime.adapters.megatron.model.gpt import (
@@ -153,6 +155,7 @@ def _train(options: LauncherOptions, args: Any, data_path: list[str]) -> None:
                           eval_plan=options.eval_plan, eval_dataset=files[0] if options.eval_plan
                           else "", eval_steps=a.eval_iters if options.eval_plan else 0)
         logits_of = segment_logits(net, cfg, device, {})
+        prediction = StepPrediction(options.plan)  # the launcher's lines carry it too
         log = open_log(options.log_jsonl, inputs=[options.plan]) if options.log_jsonl else None
         try:
             iters = a.train_iters
@@ -162,6 +165,7 @@ def _train(options: LauncherOptions, args: Any, data_path: list[str]) -> None:
                 line = reference_step(net, optimizer, session.reader, source, step,
                                       vocab, cfg, device, logits_of,
                                       clip_grad=a.clip_grad)
+                line = dataclasses.replace(line, predicted_s=prediction(step))
                 if not line.skipped:
                     scheduler.step(increment=a.global_batch_size)
                 lines: list[StepLog | EvalLog] = [line]
