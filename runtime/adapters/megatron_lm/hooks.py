@@ -7,8 +7,8 @@
   with every problem listed, before any group or model exists;
 - ``initialize._initialize_distributed``: Megatron's hybrid DP x CP groups are created with
   the others (``initialize_model_parallel(hybrid_context_parallel=True)``, while
-  ``args.hybrid_context_parallel`` stays off); on a CPU host gloo is initialised first and the
-  CPU patches go in (``cpu``);
+  ``args.hybrid_context_parallel`` stays off); on a CPU host gloo is initialised first (the CPU
+  patches of ``cpu`` went in at ``install()``: ``initialize_megatron`` asserts CUDA first);
 - ``training.pretrain`` (and ``megatron.training.pretrain``, which scripts import): the datasets
   provider becomes placeholders, the forward step the plan's, and the model gets the launcher's
   pre-wrap hook (``model``); the rest of the call is the user's;
