@@ -11,8 +11,9 @@ does.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from planner.lazy import lazy_exports
 
 _EXPORTS = {
     "FORMAT_VERSION": "planner.planfile.schema",
@@ -64,8 +65,4 @@ if TYPE_CHECKING:
     from planner.sources.lengths import LengthTable, read_lengths
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'planner' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -12,8 +12,9 @@ The names a custom loop needs are exported here (lazily: ``import runtime`` stay
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from planner.lazy import lazy_exports
 
 _EXPORTS = {
     "GroupCatalog": "runtime.dist.groups",
@@ -43,8 +44,4 @@ if TYPE_CHECKING:
     from runtime.dist.topology import Topology
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'runtime' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -14,8 +14,9 @@ stack (numpy, numba, pyarrow, ortools); only calling ``dcp-plan`` does.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from planner.lazy import lazy_exports
 
 _EXPORTS = {
     "main": "planner.cli.dispatch",
@@ -29,8 +30,4 @@ if TYPE_CHECKING:
     from planner.cli.dispatch import entry, main
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'planner.cli' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

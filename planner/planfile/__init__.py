@@ -8,8 +8,9 @@ The names load lazily (PEP 562): ``planner.config`` and ``dcp-plan --version`` i
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from planner.lazy import lazy_exports
 
 _EXPORTS = {
     "FORMAT_VERSION": "planner.planfile.version",
@@ -30,8 +31,4 @@ if TYPE_CHECKING:
     from planner.planfile.version import FORMAT_VERSION, HEADER_KEY
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'planner.planfile' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -6,9 +6,10 @@ The names load lazily (PEP 562) and ``main`` answers ``--version`` before import
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from planner.lazy import lazy_exports
 
 _EXPORTS = {
     "CalibrateConfig": "runtime.calibrate.run",
@@ -33,8 +34,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     return cli_main(argv)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'runtime.calibrate' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

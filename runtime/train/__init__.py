@@ -10,9 +10,10 @@ The names load lazily (PEP 562) and ``main`` answers ``--version`` before import
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from planner.lazy import lazy_exports
 
 _EXPORTS = {
     "StepLog": "runtime.train.runlog",
@@ -42,8 +43,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     return cli_main(argv)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'runtime.train' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from planner.sources.dataset import plan_items
 from runtime.adapters.megatron.binding import mtp
 from runtime.adapters.megatron.binding.batch import Batch, PlanBatches
 from runtime.adapters.megatron.binding.forward import ForwardOptions, forward_step
@@ -110,7 +111,8 @@ class PlanJob:
             source: TokenSource
             if dataset is None or isinstance(dataset, (str, list, tuple)):
                 paths = (dataset,) if isinstance(dataset, str) else tuple(dataset or ())
-                source = open_plan_source(reader, paths or _plan_files(reader), field=field)
+                source = open_plan_source(reader, paths or plan_items(
+                    reader.header.dataset.files, reader.header.dataset.path), field=field)
                 self._owned.append(source)
             else:
                 assert not isinstance(dataset, str)
@@ -394,7 +396,3 @@ class PlanJob:
                 close()
         self._owned.clear()
 
-
-def _plan_files(reader: PlanReader) -> tuple[str, ...]:
-    d = reader.header.dataset
-    return tuple(str(x["path"]) for x in d.files) or (d.path,)

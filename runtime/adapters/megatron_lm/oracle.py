@@ -97,20 +97,16 @@ def run(options: LauncherOptions, command: list[str]) -> None:
 def _train(options: LauncherOptions, args: Any, data_path: list[str]) -> None:
     from planner.fileguard import open_log
     from planner.prediction import StepPrediction
-    from runtime.adapters.megatron.binding.groups import create_groups
     from runtime.adapters.megatron.binding.install import install
     from runtime.adapters.megatron.model.gpt import (
         ModelParallel,
-        build_chunks,
-        init_weights,
         transformer_config,
     )
     from runtime.adapters.megatron.parallel.optim import adamw_groups
-    from runtime.adapters.megatron.trainer.oracle import segment_logits
+    from runtime.adapters.megatron.trainer.oracle import reference_model, segment_logits
     from runtime.adapters.megatron_lm import flags, mlm, model
     from runtime.adapters.megatron_lm.hooks import _exit
     from runtime.adapters.megatron_lm.session import PlanSession
-    from runtime.dist.topology import Topology
     from runtime.train.config import TrainConfig
     from runtime.train.oracle import reference_eval, reference_step
     from runtime.train.runlog import EvalLog, StepLog
@@ -137,12 +133,8 @@ def _train(options: LauncherOptions, args: Any, data_path: list[str]) -> None:
         model_config = model.gpt_config(a)
         header = session.header
         config = transformer_config(model_config, ModelParallel(dtype=torch.float32))
-        groups = create_groups(Topology(world_size=1, rank=0, dp=1, cp=1), (1,))
-        chunks = build_chunks(model_config, config, groups.pg_collection, attention="sequence",
-                              pp_rank=0, max_sequence_length=header.capacity_tokens_per_rank
-                              * header.parallel.pool_size)
-        init_weights(chunks, model_config, seed=options.init_seed or 0, tp=1, tp_rank=0)
-        net = chunks[0].to(device)
+        net = reference_model(model_config, config, header, seed=options.init_seed or 0,
+                              device=device)
         groups_wd = adamw_groups(net.named_parameters(), a.weight_decay)
         for group, mult in zip(groups_wd, (1.0, 0.0), strict=True):
             group["wd_mult"] = mult

@@ -79,10 +79,10 @@ class PlanSession:
 
     def open_sources(self, dataset: Sequence[str], eval_dataset: Sequence[str] = ()) -> None:
         """Open the plans' datasets (fingerprints checked: ``open_plan_source``)."""
-        self.source = open_plan_source(self.reader, tuple(dataset) or _plan_files(self.reader))
+        self.source = open_plan_source(self.reader, tuple(dataset) or _files(self.reader))
         if self.eval_reader is not None:
             self.eval_source = open_plan_source(
-                self.eval_reader, tuple(eval_dataset) or _plan_files(self.eval_reader))
+                self.eval_reader, tuple(eval_dataset) or _files(self.eval_reader))
 
     def attach(self, model: Sequence[nn.Module], *, device: torch.device, vocab_size: int,
                eval_iters: int) -> None:
@@ -199,6 +199,5 @@ def _add_seqlen_stats(batch: Batch) -> None:
                                     device=psp.cu_seqlens_q.device))
 
 
-def _plan_files(reader: PlanReader) -> tuple[str, ...]:
-    d = reader.header.dataset
-    return plan_items(d.files, d.path)
+def _files(reader: PlanReader) -> tuple[str, ...]:
+    return plan_items(reader.header.dataset.files, reader.header.dataset.path)

@@ -11,6 +11,8 @@ same AdamW. Segments and labels come from the native oracle's rule
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -54,13 +56,8 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
         # Megatron's own load-balancing loss is off: MoETerms computes the adapter's definition.
         config = transformer_config(model_config, par, cfg.megatron,
                                     **({"moe_aux_loss_coeff": 0.0} if cfg.megatron.moe else {}))
-        groups = create_groups(Topology(world_size=1, rank=0, dp=1, cp=1), (1,),
-                               timeout=pg_timeout(cfg.distributed_timeout_minutes))
-        chunks = build_chunks(model_config, config, groups.pg_collection, attention="sequence",
-                              pp_rank=0, max_sequence_length=header.capacity_tokens_per_rank
-                              * header.parallel.pool_size)
-        init_weights(chunks, model_config, seed=cfg.seed, tp=1, tp_rank=0)
-        model = chunks[0].to(device)
+        model = reference_model(model_config, config, header, seed=cfg.seed, device=device,
+                                timeout=pg_timeout(cfg.distributed_timeout_minutes))
         # Megatron's parameter groups (no weight decay on 1-D parameters), plain AdamW.
         optimizer = optim.adamw(cfg, [model])
         eval_reader = eval_source = None
@@ -113,6 +110,18 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
             close()
 
 
+def reference_model(model_config: GPTConfig, config: Any, header: Any, *, seed: int,
+                    device: torch.device, timeout: Any = None) -> torch.nn.Module:
+    """The oracle's model: the adapter's GPTModel unsplit, whole-sequence attention, the
+    split-independent weights of ``seed`` (shared with the Megatron-LM launcher's oracle)."""
+    groups = create_groups(Topology(world_size=1, rank=0, dp=1, cp=1), (1,), timeout=timeout)
+    chunks = build_chunks(model_config, config, groups.pg_collection, attention="sequence",
+                          pp_rank=0, max_sequence_length=header.capacity_tokens_per_rank
+                          * header.parallel.pool_size)
+    init_weights(chunks, model_config, seed=seed, tp=1, tp_rank=0)
+    return chunks[0].to(device)
+
+
 def segment_logits(model: torch.nn.Module, cfg: TrainConfig, device: torch.device,
             mtp_logits: dict[str, torch.Tensor]) -> SegmentLogits:
     """Megatron's GPTModel on one whole segment as a ``[1, L]`` batch: logits ``[L, V]``; a
@@ -129,4 +138,4 @@ def segment_logits(model: torch.nn.Module, cfg: TrainConfig, device: torch.devic
     return logits_of
 
 
-__all__ = ["segment_logits", "train_reference"]
+__all__ = ["reference_model", "segment_logits", "train_reference"]
