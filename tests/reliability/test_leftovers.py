@@ -128,8 +128,10 @@ def test_a_signal_wrapped_in_a_system_error_is_still_an_interruption(
 
 
 def _children(pid: int) -> str:
-    return subprocess.run(["ps", "-o", "args=", "--ppid", str(pid)], capture_output=True,
-                          text=True).stdout
+    # comm (the executable's name) and unlimited width: args alone is cut at the terminal's
+    # width (COLUMNS), which hid gcs_server behind a long install path in CI.
+    return subprocess.run(["ps", "-ww", "-o", "comm=,args=", "--ppid", str(pid)],
+                          capture_output=True, text=True).stdout
 
 
 def _session_alive(sid: int) -> list[str]:
