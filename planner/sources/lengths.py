@@ -31,10 +31,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numba
 import numpy as np
 from numpy.typing import NDArray
 
+from planner.jit import kernel
 from planner.planfile.schema import fingerprint_lengths
 from planner.sources.compressed import (
     COMPRESSIONS,
@@ -131,7 +131,7 @@ def _strict_digits(a: NDArray[np.uint8], ends: NDArray[np.intp]) -> NDArray[np.i
     return values if _parse_digit_lines(a, values) else None
 
 
-@numba.njit(cache=True)
+@kernel
 def _parse_digit_lines(a: NDArray[np.uint8], values: NDArray[np.int64]) -> bool:
     """One pass: every newline-ended line's value into ``values``; False at the first byte that
     is not a digit, an empty line or one of more than ``_MAX_DIGITS`` digits. (Bytes after the
