@@ -45,6 +45,8 @@ BUDGET_S = 2.0
 """CPU-seconds a process spends in kernels run as Python before it compiles them."""
 FIRST_RATE_S = 1e-6
 """Python seconds per array element expected of a kernel before its first call is measured."""
+NOTED_CALLS = 8
+"""Calls per kernel whose signatures ``Kernel.note`` keeps (a kernel's calls share one or two)."""
 MODES = ("auto", "always", "never")
 ENV = "DCP_PLANNER_JIT"
 
@@ -79,6 +81,7 @@ def set_mode(m: str) -> None:
     if m not in MODES:
         raise ValueError(f"jit mode {m!r}: expected one of {', '.join(MODES)}")
     _STATE.mode, _STATE.compiling, _STATE.spent = m, m == "always", 0.0
+    _PENDING.clear()
 
 
 def python_seconds() -> float:
@@ -96,6 +99,8 @@ class Kernel(CPUDispatcher):
     _dcp_cached: bool | None
     _dcp_rate: float
     _dcp_measured: bool
+    _dcp_sigs: set[tuple[Any, ...]]
+    _dcp_notes: int
 
     def runs_compiled(self, python_s: float) -> bool:
         """Whether a call expected to take ``python_s`` as Python runs compiled: for a caller
@@ -113,6 +118,18 @@ class Kernel(CPUDispatcher):
             self._dcp_cached = bool(index)
         return self._dcp_cached or state.spent + python_s > BUDGET_S
 
+    def note(self, *args: Any) -> None:
+        """Remember this call's signature, run as Python (or in the caller's own Python way), to
+        compile it once the budget is spent: a large job then leaves every kernel it used in
+        the cache, and the next run of its size runs them all compiled from the start."""
+        self._dcp_notes += 1
+        if self._dcp_notes > NOTED_CALLS:  # typing every call's arguments would cost more
+            return
+        sig = tuple(self.typeof_pyval(a) for a in args)
+        if sig not in self._dcp_sigs:
+            self._dcp_sigs.add(sig)
+            _PENDING.append((self, sig))
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state = _STATE
         if state.depth:  # inside a kernel running as Python
@@ -120,6 +137,8 @@ class Kernel(CPUDispatcher):
         m = state.mode or mode()
         if self.runs_compiled(_elements(args) * self._dcp_rate):
             return CPUDispatcher.__call__(self, *args, **kwargs)
+        if m == "auto":
+            self.note(*args)
         t = time.process_time()
         state.depth = 1
         try:
@@ -135,11 +154,19 @@ class Kernel(CPUDispatcher):
                 charge(0.0)
 
 
+_PENDING: list[tuple[Kernel, tuple[Any, ...]]] = []
+"""Signatures run as Python in this process, compiled when the budget is spent."""
+
+
 def charge(seconds: float) -> None:
-    """Count ``seconds`` of Python work done instead of a kernel against the budget."""
+    """Count ``seconds`` of Python work done instead of a kernel against the budget; once it is
+    spent, compile (and so cache) what ran as Python (``Kernel.note``)."""
     _STATE.spent += seconds
-    if (_STATE.mode or mode()) == "auto":
-        _STATE.compiling = _STATE.spent > BUDGET_S
+    if (_STATE.mode or mode()) == "auto" and not _STATE.compiling and _STATE.spent > BUDGET_S:
+        _STATE.compiling = True
+        while _PENDING:
+            k, sig = _PENDING.pop(0)
+            k.compile(sig)
 
 
 def _make(fn: Callable[..., Any], options: dict[str, Any]) -> Any:
@@ -148,6 +175,8 @@ def _make(fn: Callable[..., Any], options: dict[str, Any]) -> Any:
     d._dcp_cached = None
     d._dcp_rate = FIRST_RATE_S
     d._dcp_measured = False
+    d._dcp_sigs = set()
+    d._dcp_notes = 0
     return d
 
 

@@ -124,6 +124,7 @@ def read_jsonl(path: str, field: str | None, bad: BadRecords) -> tuple[
         if fast:
             scan_chunk(a, ends, names, bounds, kinds, state, length)
         else:  # every line by the reference (cheaper than compiling the scanner for a small file)
+            scan_chunk.note(a, ends, names, bounds, kinds, state, length)
             raw = bytes(chunk)
             state[:] = [BLANK if not raw[i:j].strip(b" \t\r") else CHECK
                         for i, j in zip(start.tolist(), ends.tolist(), strict=True)]
