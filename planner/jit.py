@@ -82,6 +82,8 @@ def set_mode(m: str) -> None:
         raise ValueError(f"jit mode {m!r}: expected one of {', '.join(MODES)}")
     _STATE.mode, _STATE.compiling, _STATE.spent = m, m == "always", 0.0
     _PENDING.clear()
+    for d in _ALL:
+        _lazy(d)
 
 
 def python_seconds() -> float:
@@ -94,29 +96,17 @@ def _elements(args: tuple[Any, ...]) -> int:
 
 
 class Kernel(CPUDispatcher):
-    """A numba dispatcher that runs its ``py_func`` while that is cheaper (module docstring)."""
+    """A kernel compiled in this process (or loaded from the cache): numba's dispatcher as it
+    is, its C call path untouched."""
 
-    _dcp_cached: bool | None
-    _dcp_rate: float
-    _dcp_measured: bool
     _dcp_sigs: set[tuple[Any, ...]]
     _dcp_notes: int
 
     def runs_compiled(self, python_s: float) -> bool:
-        """Whether a call expected to take ``python_s`` as Python runs compiled: for a caller
-        with a Python way of its own (``planner.sources.jsonl``: ``json.loads`` per line) that
-        then ``charge``s its time."""
-        state = _STATE
-        m = state.mode or mode()
-        if state.compiling:
-            return True
-        if m == "never":
-            return False
-        if self._dcp_cached is None:
-            # numba's cache index for this function (empty: nothing cached, or stale)
-            index = self._cache._cache_file._load_index()  # type: ignore[attr-defined]
-            self._dcp_cached = bool(index)
-        return self._dcp_cached or state.spent + python_s > BUDGET_S
+        """Whether a call expected to take ``python_s`` as Python would run compiled: for a
+        caller with a Python way of its own (``planner.sources.jsonl``: ``json.loads`` per line)
+        that then ``charge``s its time."""
+        return True
 
     def note(self, *args: Any) -> None:
         """Remember this call's signature, run as Python (or in the caller's own Python way), to
@@ -130,12 +120,40 @@ class Kernel(CPUDispatcher):
             self._dcp_sigs.add(sig)
             _PENDING.append((self, sig))
 
+
+class _Lazy(Kernel):
+    """A kernel not compiled yet in this process: decides per call (module docstring), and
+    becomes a ``Kernel`` the first time it runs compiled."""
+
+    _dcp_cached: bool | None
+    _dcp_rate: float
+    _dcp_measured: bool
+
+    def runs_compiled(self, python_s: float) -> bool:
+        state = _STATE
+        m = state.mode or mode()
+        if state.compiling:
+            return True
+        if m == "never":
+            return False
+        if self._dcp_cached is None:
+            # numba's cache index for this function (empty: nothing cached, or stale)
+            index = self._cache._cache_file._load_index()  # type: ignore[attr-defined]
+            self._dcp_cached = bool(index)
+        if self._dcp_cached:
+            return True
+        if state.spent + python_s > BUDGET_S:  # the job is large: compile from now on
+            _spend_all()
+            return True
+        return False
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state = _STATE
         if state.depth:  # inside a kernel running as Python
             return self.py_func(*args, **kwargs)
         m = state.mode or mode()
         if self.runs_compiled(_elements(args) * self._dcp_rate):
+            self.__class__ = Kernel  # type: ignore[assignment]  # compiled from now on
             return CPUDispatcher.__call__(self, *args, **kwargs)
         if m == "auto":
             self.note(*args)
@@ -163,20 +181,33 @@ def charge(seconds: float) -> None:
     spent, compile (and so cache) what ran as Python (``Kernel.note``)."""
     _STATE.spent += seconds
     if (_STATE.mode or mode()) == "auto" and not _STATE.compiling and _STATE.spent > BUDGET_S:
-        _STATE.compiling = True
-        while _PENDING:
-            k, sig = _PENDING.pop(0)
-            k.compile(sig)
+        _spend_all()
+
+
+def _spend_all() -> None:
+    """The budget is gone: every kernel compiles from now on, and what ran as Python does now."""
+    _STATE.compiling = True
+    while _PENDING:
+        k, sig = _PENDING.pop(0)
+        k.compile(sig)
+
+
+_ALL: list[Kernel] = []
+
+
+def _lazy(d: Any) -> None:
+    d.__class__ = _Lazy  # same layout: the subclasses add no slots
+    d._dcp_cached = None
+    d._dcp_rate = FIRST_RATE_S
+    d._dcp_measured = False
 
 
 def _make(fn: Callable[..., Any], options: dict[str, Any]) -> Any:
     d = numba.njit(cache=True, **options)(fn)
-    d.__class__ = Kernel  # same layout: Kernel adds no slots
-    d._dcp_cached = None
-    d._dcp_rate = FIRST_RATE_S
-    d._dcp_measured = False
+    _lazy(d)
     d._dcp_sigs = set()
     d._dcp_notes = 0
+    _ALL.append(d)
     return d
 
 
