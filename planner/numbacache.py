@@ -231,6 +231,8 @@ class WorkerCompiles:
     def read(self) -> list[CompileTotals]:
         """Each process's last totals (its lines are cumulative), in pid order."""
         last: dict[int, CompileTotals] = {}
+        if not self.path:
+            return []
         try:
             text = Path(self.path).read_text()
         except OSError:
@@ -242,14 +244,19 @@ class WorkerCompiles:
 
 
 @contextmanager
-def worker_compiles(folder: str | Path | None = None) -> Iterator[WorkerCompiles]:
+def worker_compiles(enabled: bool = True,
+                    folder: str | Path | None = None) -> Iterator[WorkerCompiles]:
     """Processes started inside (spawned workers, a local Ray) report their compiles.
 
     The environment variable is inherited by the processes started while it is set; it and
-    the log are removed on exit.
+    the log (in ``folder``, default the temporary directory) are removed on exit. Not
+    ``enabled`` (a run in one process): nothing is set, and ``read`` finds nothing.
     """
     import tempfile
 
+    if not enabled:
+        yield WorkerCompiles("")
+        return
     fd, path = tempfile.mkstemp(prefix="dcp-compile-", suffix=".log", dir=folder)
     os.close(fd)
     before = os.environ.get(COMPILE_LOG_ENV)

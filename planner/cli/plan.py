@@ -246,7 +246,7 @@ def cmd_plan(argv: list[str]) -> int:
     planned: list[float] = []
     # Worker processes (--workers, a local Ray) log their compiles to this process.
     with Progress("planning", unit="step", enabled=show) as bar, \
-            numbacache.worker_compiles() as workers:
+            numbacache.worker_compiles(config.workers != 1 or config.engine == "ray") as workers:
         stream = PlanStream(table, config, cost, progress=bar)
 
         def header() -> PlanHeader:

@@ -123,7 +123,7 @@ def test_processes_started_under_worker_compiles_report_to_the_driver(tmp_path: 
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
     env.update(PYTHONPATH=os.pathsep.join([str(ROOT), str(tmp_path)]),
                NUMBA_CACHE_DIR=str(tmp_path / "cache"))
-    with numbacache.worker_compiles(tmp_path) as workers:
+    with numbacache.worker_compiles(folder=tmp_path) as workers:
         assert os.environ[numbacache.COMPILE_LOG_ENV].startswith(f"{os.getpid()}:")
         env[numbacache.COMPILE_LOG_ENV] = os.environ[numbacache.COMPILE_LOG_ENV]
         for _ in range(2):  # the second loads from the cache and reports nothing
@@ -133,6 +133,10 @@ def test_processes_started_under_worker_compiles_report_to_the_driver(tmp_path: 
     assert one.signatures == 2
     assert one.seconds > 0
     assert numbacache.COMPILE_LOG_ENV not in os.environ
+    assert list(tmp_path.glob("dcp-compile-*")) == []
+    with numbacache.worker_compiles(False, folder=tmp_path) as none:  # a run in one process
+        assert numbacache.COMPILE_LOG_ENV not in os.environ
+        assert none.read() == []
     assert list(tmp_path.glob("dcp-compile-*")) == []
 
 
