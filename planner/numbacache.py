@@ -26,9 +26,11 @@ meta-path hook), which is before any kernel can be decorated.
 
 Compile time: numba emits a ``numba:compile`` event around every real compile, never around a
 cache load (the dispatcher tries the cache first). A kernel's compile compiles the kernels it
-calls inside its own event, so only the outermost events' durations add up to wall time; every
-event is one compiled signature. A spawned worker (``--workers``, local Ray) appends its totals
-to the file named by ``COMPILE_LOG_ENV`` (``worker_compiles``), so the driver can report them.
+calls inside its own event, so only the outermost events' durations add up to wall time; an
+event of a ``cache=True`` function is one compiled signature (numba's own jitted implementations
+of numpy functions compile inside them and are not counted). A spawned worker (``--workers``,
+local Ray) appends its totals to the file named by ``COMPILE_LOG_ENV`` (``worker_compiles``), so
+the driver can report them.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ _HOOKED = "numba.core.caching"
 
 @dataclass(frozen=True, slots=True)
 class CompileTotals:
-    """Numba compiles of one process: wall seconds of the top-level compiles, and signatures."""
+    """Numba compiles of one process: wall seconds of the top-level compiles, and the
+    signatures of ``cache=True`` functions compiled (each one cache entry)."""
 
     seconds: float = 0.0
     signatures: int = 0
@@ -89,7 +92,7 @@ class _Clock:
             self.started = time.perf_counter()
         self.depth += 1
 
-    def end(self) -> None:
+    def end(self, cached: bool) -> None:
         # A failed compile counts too (it took the time; numba raises it to the caller).
         # Event.is_failed cannot tell: in numba 0.68 it is true for every end of a
         # trigger_event block.
@@ -97,7 +100,8 @@ class _Clock:
         seconds = self.totals.seconds
         if self.depth == 0:
             seconds += time.perf_counter() - self.started
-        self.totals = CompileTotals(seconds=seconds, signatures=self.totals.signatures + 1)
+        self.totals = CompileTotals(seconds=seconds,
+                                    signatures=self.totals.signatures + cached)
         if self.depth == 0:
             _log_to_driver(self.totals)
 
@@ -184,7 +188,11 @@ def install() -> None:
             _CLOCK.start()
 
         def on_end(self, event: Any) -> None:
-            _CLOCK.end()
+            # Signatures of cache=True functions only: the implementations of numpy functions
+            # that numba compiles inside a kernel's event (about as many again) cache nowhere.
+            dispatcher = (event.data or {}).get("dispatcher")
+            cache = getattr(dispatcher, "_cache", None)
+            _CLOCK.end(cached=getattr(cache, "cache_path", None) is not None)
 
     ev.register("numba:compile", Listener())  # type: ignore[no-untyped-call]
 
