@@ -44,7 +44,7 @@ class Compiles:
         by_phase = {name: (b - a).seconds
                     for (_, a), (name, b) in zip(marks, marks[1:], strict=False)}
         return cls(by_phase=by_phase, signatures=(marks[-1][1] - marks[0][1]).signatures,
-                   workers=tuple(w for w in workers if w.signatures))
+                   workers=tuple(w for w in workers if w.seconds > 0))
 
 
 def plan_summary(header: PlanHeader, out: str | Path, phases: dict[str, float],
@@ -123,7 +123,7 @@ def plan_summary(header: PlanHeader, out: str | Path, phases: dict[str, float],
         "dropped_samples": len(s.get("dropped_samples", [])),
         "skipped_bad_records": int(s.get("skipped_bad_records", 0)),
         "seconds": {**net, "compile": total - work, "total": total},
-        "compile": {"signatures": c.signatures, "seconds_here": sum(c.by_phase.values()),
+        "compile": {"signatures_here": c.signatures, "seconds_here": sum(c.by_phase.values()),
                     "worker_processes": len(c.workers), "worker_seconds_max": in_workers},
         "samples_per_second": drawn / work if work > 0 else None,
     }
@@ -239,6 +239,6 @@ def format_summary(summary: dict[str, Any]) -> str:
 def _compile_detail(c: dict[str, Any]) -> str:
     """``68 signatures; `` or, with workers, where the compile's seconds went."""
     if not c["worker_processes"]:
-        return f"{c['signatures']} signatures; "
+        return f"{c['signatures_here']} signatures; "
     return (f"{c['seconds_here']:.1f} s here, up to {c['worker_seconds_max']:.1f} s in each of "
             f"{c['worker_processes']} worker processes at the same time; ")

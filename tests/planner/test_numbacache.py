@@ -189,7 +189,7 @@ def test_workers_compile_at_the_same_time_the_longest_counts(header: PlanHeader)
     assert s["seconds"]["compile"] == pytest.approx(6.0)
     assert s["seconds"]["read"] == 0.0
     assert s["seconds"]["plan"] == pytest.approx(3.0)
-    assert s["compile"] == {"signatures": 9, "seconds_here": 1.0, "worker_processes": 2,
+    assert s["compile"] == {"signatures_here": 9, "seconds_here": 1.0, "worker_processes": 2,
                             "worker_seconds_max": 5.0}
     assert ("compile   numba kernels compiled once: 6.0 s (1.0 s here, up to 5.0 s in each of 2 "
             "worker processes at the same time; cached for later runs)") in text.splitlines()
@@ -204,7 +204,7 @@ def test_dcp_plan_json_has_the_compile_figures(tmp_path: Path,
                  "-o", str(tmp_path / "p.arrow"), "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
     assert set(s["seconds"]) == {"read", "plan", "validate+write", "compile", "total"}
-    assert set(s["compile"]) == {"signatures", "seconds_here", "worker_processes",
+    assert set(s["compile"]) == {"signatures_here", "seconds_here", "worker_processes",
                                  "worker_seconds_max"}
     work = s["seconds"]["total"] - s["seconds"]["compile"]
     assert s["samples_per_second"] == pytest.approx(2000 / work)
