@@ -50,8 +50,8 @@ __all__ = ["COMPILE_LOG_ENV", "CompileTotals", "cache_dir", "compile_totals", "i
            "prepare", "worker_compiles"]
 
 COMPILE_LOG_ENV = "DCP_PLANNER_COMPILE_LOG"
-"""A file each planner process other than the one that set it appends ``pid seconds
-signatures`` to after every top-level compile (``worker_compiles`` sets it)."""
+"""``DRIVER_PID:PATH``: every planner process but the driver appends ``pid seconds
+signatures`` to PATH after each of its top-level compiles (``worker_compiles`` sets it)."""
 _PACKAGE = os.path.realpath(os.path.dirname(os.path.abspath(__file__)))
 _HOOKED = "numba.core.caching"
 
@@ -94,8 +94,8 @@ class _Clock:
 
     def end(self, cached: bool) -> None:
         # A failed compile counts too (it took the time; numba raises it to the caller).
-        # Event.is_failed cannot tell: in numba 0.68 it is true for every end of a
-        # trigger_event block.
+        # Event.is_failed cannot tell: in numba 0.68 it is false for every end of a
+        # trigger_event block, failed or not.
         self.depth -= 1
         seconds = self.totals.seconds
         if self.depth == 0:
