@@ -94,8 +94,8 @@ class _Clock:
 
     def end(self, cached: bool) -> None:
         # A failed compile counts too (it took the time; numba raises it to the caller).
-        # Event.is_failed cannot tell: in numba 0.68 it is false for every end of a
-        # trigger_event block, failed or not.
+        # Event.is_failed cannot tell: in numba 0.68 it is inverted (true when the compile
+        # succeeded: it tests that no exception was given).
         self.depth -= 1
         seconds = self.totals.seconds
         if self.depth == 0:
