@@ -45,10 +45,10 @@ def test_kernels_cache_under_xdg_cache_home_not_beside_the_source(tmp_path: Path
     out = _python(_KERNEL_PATH, tmp_path, XDG_CACHE_HOME=str(tmp_path / "xdg"))
     folder = Path(out.strip())
     assert folder.parent == tmp_path / "xdg" / "dcp-planner" / "numba", folder
+    # Named after the source's folder (numba's naming), even though this checkout's
+    # planner/solver/__pycache__ is writable: numba alone would have chosen that.
     assert folder.name.startswith("solver_")
-    # Nothing written beside the source: the folder is ours, even where __pycache__ is
-    # writable (a dev checkout, or root in CI).
-    assert not (ROOT / "planner" / "solver").samefile(folder.parent)
+    assert os.access(ROOT / "planner" / "solver", os.W_OK)
 
 
 def test_numba_cache_dir_wins(tmp_path: Path) -> None:
