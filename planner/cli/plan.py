@@ -193,8 +193,9 @@ def cmd_plan(argv: list[str]) -> int:
         except ValueError as e:
             parser.error(str(e))
     engine = engine_settings(parser, args)  # before reading: Ray there if asked for
+    from planner import numbacache
     from planner.cli.progress import Progress
-    from planner.cli.summary import format_summary, plan_summary
+    from planner.cli.summary import Compiles, format_summary, plan_summary
     from planner.cost import load_cost_model
     from planner.plan import PlanStream
     from planner.planfile.io import write_plan_stream
@@ -202,6 +203,9 @@ def cmd_plan(argv: list[str]) -> int:
     from planner.sources.lengths import read_lengths
 
     t0 = time.perf_counter()
+    # This process's numba compiles at each phase's end (planner/numbacache.py): the summary
+    # reports them apart and counts none in the phases or the speed.
+    compiled = {"start": numbacache.compile_totals()}
     parallel = ParallelConfig(dp=args.dp, cp=args.cp, tp=args.tp, pp=args.pp, vpp=args.vpp,
                               sequence_parallel=args.sequence_parallel,
                               microbatch_group_size=args.microbatch_group_size)
@@ -230,19 +234,24 @@ def cmd_plan(argv: list[str]) -> int:
     check_outputs(out, args.summary_json, input_files([f.path for f in table.files], ""),
                   overwrite=args.overwrite)
     timings = {"read": time.perf_counter() - t0}
+    compiled["read"] = numbacache.compile_totals()
     if args.fingerprint == "content":
         from planner.sources.content import with_content
 
         with Progress("hashing tokens", unit="file", enabled=show) as bar:
             table = with_content(table, args.field, progress=bar)
         timings["fingerprint"] = time.perf_counter() - t0 - timings["read"]
+        compiled["fingerprint"] = numbacache.compile_totals()
     t1 = time.perf_counter()
     planned: list[float] = []
-    with Progress("planning", unit="step", enabled=show) as bar:
+    # Worker processes (--workers, a local Ray) log their compiles to this process.
+    with Progress("planning", unit="step", enabled=show) as bar, \
+            numbacache.worker_compiles(config.workers != 1 or config.engine == "ray") as workers:
         stream = PlanStream(table, config, cost, progress=bar)
 
         def header() -> PlanHeader:
             planned.append(time.perf_counter())
+            compiled.setdefault("plan", numbacache.compile_totals())
             return stream.header()
 
         # Steps stream to a spill file as they are planned (memory independent of the number
@@ -258,10 +267,13 @@ def cmd_plan(argv: list[str]) -> int:
                                 f"--memory-per-rank {args.memory_per_rank}")
         write_plan_stream(out, steps, header, lengths=table.lengths,
                           overwrite=args.overwrite)
+        compiled["validate+write"] = numbacache.compile_totals()
+        in_workers = workers.read()
     t3 = time.perf_counter()
     t2 = planned[0]
     summary = plan_summary(stream.header(), out,
-                           {**timings, "plan": t2 - t1, "validate+write": t3 - t2})
+                           {**timings, "plan": t2 - t1, "validate+write": t3 - t2},
+                           Compiles.of(list(compiled.items()), in_workers))
     emit_summary(summary, format_summary(summary), as_json=args.json,
                  json_path=args.summary_json, quiet=args.quiet)
     return 0
