@@ -8,7 +8,9 @@ the Megatron and torchtitan adapters call, so they all read and check a dataset 
    samples), so training does not stop on the line the planner skipped; and the tokens are
    read from the field the plan was made with (``dcp-plan --field``, the header's
    ``dataset.field``; ``field=`` overrides it, ``planner.sources.fieldname``), every file's
-   first sample decoded once so a field that holds lengths, not tokens, fails here;
+   first sample decoded once so a field that holds lengths, not tokens, fails here; a Megatron
+   file is read in the plan's unit (``dataset.megatron_unit``: documents or sequences; none
+   recorded: sequences, as plans made before it was recorded were);
 2. the lengths fingerprint (``PlanReader.check_dataset``): a changed, reordered, truncated or
    extended dataset is refused;
 3. with ``dcp-plan --fingerprint content``, the content fingerprint (``verify_content``): every
@@ -74,7 +76,8 @@ def open_plan_source(reader: PlanReader, paths: Paths, *,
     recorded = reader.header.dataset.field
     try:
         source = open_token_source(paths, skip_bad_records=plan_skips_records(reader),
-                                   field=replay_field(recorded, field))
+                                   field=replay_field(recorded, field),
+                                   megatron_unit=reader.header.dataset.replay_megatron_unit)
     except ValueError as e:
         message = str(e)
         if message.endswith(": no such file"):
