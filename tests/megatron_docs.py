@@ -8,7 +8,10 @@ which writes one sequence per document).
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 import pytest
@@ -30,13 +33,28 @@ def random_documents(num_documents: int, *, sequences: int = 3, vocab: int = 100
     return out
 
 
+def indexed_dataset() -> ModuleType:
+    """Megatron-core's ``megatron.core.datasets.indexed_dataset`` (skips without it). Imported
+    with warnings silenced, as ``runtime.adapters.megatron.compat.mcore`` does: importing
+    ``megatron.core`` warns about torch and TE internals, and the suite runs warnings as errors."""
+    pytest.importorskip("megatron.core")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import megatron.core.datasets.indexed_dataset as module
+    found: ModuleType = module
+    return found
+
+
+def megatron_reader(prefix: Path) -> Any:
+    """Megatron-core's own reader (``IndexedDataset``) of ``prefix``."""
+    return indexed_dataset().IndexedDataset(str(prefix))
+
+
 def write_documents(prefix: Path, docs: Documents, dtype: type[np.integer] = np.int32) -> Path:
     """``prefix.bin`` / ``prefix.idx`` with Megatron-core's builder; returns ``prefix``."""
-    pytest.importorskip("megatron.core")
     import torch
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
+    builder = indexed_dataset().IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
     for doc in docs:
         for seq in doc:
             builder.add_item(torch.from_numpy(np.asarray(seq, dtype=np.int64)))

@@ -18,7 +18,7 @@ from planner.cli import main as plan_main
 from planner.planfile.io import PlanFile
 from planner.sources.lengths import read_lengths
 from planner.sources.megatron import read_megatron_samples
-from tests.megatron_docs import concatenated, random_documents, write_documents
+from tests.megatron_docs import concatenated, megatron_reader, random_documents, write_documents
 
 PLAN = ["--dp", "2", "--cp", "2", "--max-tokens-per-rank", "64", "--global-batch-size", "8"]
 
@@ -30,9 +30,7 @@ def fifty(tmp_path: Path) -> Path:
 
 
 def test_documents_by_default_sequences_on_request(fifty: Path) -> None:
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    ds = IndexedDataset(str(fifty))
+    ds = megatron_reader(fifty)
     seq = ds.sequence_lengths.astype(np.int64)
     doc_index = ds.document_indices
     by_doc = np.add.reduceat(seq, doc_index[:-1])
