@@ -35,6 +35,16 @@ CHUNK_BYTES = 1 << 24
 """Bytes per read in the line-oriented readers: bounds memory to a few chunks for any file size."""
 
 
+def only_token_list_hint(names: list[str], what: str) -> str:
+    """``; 'ids' is the only list-of-integers field: give --field ids`` when ``names`` (a
+    record's fields or a file's columns that hold integer lists) has exactly one, else empty:
+    for an error that found no usable field, the tokens are likely that one under another name.
+    ``what`` is ``field`` (JSONL) or ``column`` (Parquet, Arrow)."""
+    if len(names) != 1:
+        return ""
+    return f"; {names[0]!r} is the only list-of-integers {what}: give --field {names[0]}"
+
+
 class BadRecords:
     """Raises on the first bad record, or collects the sample indices of bad records to skip."""
 
@@ -117,7 +127,10 @@ def _pick_columns(path: str, schema: pa.Schema, field: str | None) -> list[tuple
         names = only if len(only) == 1 else []
     if not names or names[0] not in schema.names:
         wanted = field if field is not None else ", ".join(DEFAULT_FIELDS)
-        raise ValueError(f"{path}: no column {wanted}; columns are {schema.names}")
+        lists = [f.name for f in schema if _is_list(f.type) and pa.types.is_integer(
+            f.type.value_type)]
+        raise ValueError(f"{path}: no column {wanted}; columns are {schema.names}"
+                         + only_token_list_hint(lists, "column"))
     picked = []
     for name in names:
         t = schema.field(name).type
