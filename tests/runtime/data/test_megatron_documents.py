@@ -22,7 +22,7 @@ from planner.plan import make_plan
 from planner.planfile.io import write_plan
 from planner.sources.lengths import read_lengths
 from runtime.data.plan_reader import PlanReader
-from runtime.data.plan_source import open_plan_source
+from runtime.data.plan_source import check_plan_source, open_plan_source
 from runtime.data.tokens import MegatronTokens, open_token_source, read_segments
 from runtime.train.cli import main as train_main
 from tests.megatron_docs import concatenated, megatron_reader, random_documents, write_documents
@@ -95,9 +95,17 @@ def test_plans_open_in_their_unit_and_old_plans_as_sequences(tmp_path: Path) -> 
         source = open_plan_source(reader, [str(prefix)])
         assert source.num_samples == num_sequences
     assert plan_main(["validate", str(old), str(prefix)]) == 0
-    # A plan of sequences read as documents would be refused by the lengths fingerprint.
+    # A plan of sequences read as documents would be refused by the lengths fingerprint; a
+    # caller's own source (Trainer, PlanJob) in the other unit is named as such.
     with PlanReader(old) as reader, pytest.raises(ValueError, match="dataset of 46 samples"):
         reader.check_dataset(open_token_source(prefix).lengths(), [str(prefix)])
+    with PlanReader(old) as reader, pytest.raises(
+            ValueError, match=r"ds: read as Megatron documents, .*old\.arrow was planned on "
+                              r"sequences \(its header's dataset\.megatron_unit\): open it with "
+                              r"open_token_source\(\.\.\., megatron_unit='sequence'\)"):
+        check_plan_source(reader, open_token_source([str(prefix)]))
+    with PlanReader(new) as reader:
+        check_plan_source(reader, open_token_source(prefix))
 
 
 def _losses(log: Path) -> list[float]:
