@@ -185,11 +185,14 @@ def _documents(idx: str, sizes: NDArray[np.int64], pointers: NDArray[np.int64],
         raise ValueError(f"{idx}: document {d}: sequence {j} starts at byte {int(pointers[j])}, "
                          f"not where sequence {j - 1} ends: a document's sequences must lie "
                          f"back to back in the .bin (as Megatron's writer puts them){hint}")
-    total = np.r_[0, np.cumsum(sizes)]
+    total = np.zeros(count + 1, dtype=np.int64)
+    np.cumsum(sizes, out=total[1:])
     lengths = total[documents[1:]] - total[documents[:-1]]
-    # A document of a negative sequence is damaged: bad, like a negative sequence.
-    negative = np.r_[0, np.cumsum(sizes < 0)]
-    lengths[negative[documents[1:]] > negative[documents[:-1]]] = -1
+    negative = sizes < 0
+    if negative.any():  # a document of a negative sequence is damaged: bad, like the sequence
+        runs = np.zeros(count + 1, dtype=np.int64)
+        np.cumsum(negative, out=runs[1:])
+        lengths[runs[documents[1:]] > runs[documents[:-1]]] = -1
     head = np.minimum(documents[:-1], max(count - 1, 0))
     starts = pointers[head] // item if count else np.zeros(len(lengths), np.int64)
     return lengths.astype(np.int64), starts.astype(np.int64)
