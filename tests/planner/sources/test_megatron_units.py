@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 
 from planner.cli import main as plan_main
 from planner.planfile.io import PlanFile
+from planner.planfile.validate import validate
 from planner.sources.lengths import read_lengths
 from planner.sources.megatron import read_megatron_samples
 from tests.megatron_docs import concatenated, megatron_reader, random_documents, write_documents
@@ -140,3 +142,14 @@ def test_a_gap_inside_a_document_is_refused(tmp_path: Path) -> None:
                                          "sequence 0 ends"):
         read_lengths(prefix)
     assert read_lengths(prefix, megatron_unit="sequence").num_samples == 6
+
+
+def test_validate_refuses_an_unknown_unit(fifty: Path, tmp_path: Path) -> None:
+    out = tmp_path / "p.arrow"
+    assert plan_main([str(fifty), *PLAN, "-o", str(out), "--quiet"]) == 0
+    with PlanFile(out) as f:
+        validate(f.header, f, read_lengths(fifty).lengths, source=str(out))
+        bad = replace(f.header, dataset=replace(f.header.dataset, megatron_unit="sentence"))
+        with pytest.raises(ValueError, match="header: dataset megatron_unit 'sentence' is not "
+                                             "one of document, sequence"):
+            validate(bad, f, source=str(out))
