@@ -229,7 +229,7 @@ def cmd_plan(argv: list[str]) -> int:
     show = not (args.quiet or args.json)
     with Progress("reading", unit="file", enabled=show and len(items) > 1) as bar:
         table = read_lengths(items, skip_bad_records=args.skip_bad_records, field=args.field,
-                             progress=bar, notice=print_notice)
+                             progress=bar, notice=print_notice, megatron_unit=args.megatron_unit)
     # Directories and globs expand to files only now: check those too.
     check_outputs(out, args.summary_json, input_files([f.path for f in table.files], ""),
                   overwrite=args.overwrite)

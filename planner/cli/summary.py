@@ -80,7 +80,8 @@ def plan_summary(header: PlanHeader, out: str | Path, phases: dict[str, float],
                     "num_tokens": d.num_tokens, "fingerprint": d.fingerprint, "files": files,
                     **({"content_fingerprint": d.content_fingerprint}
                        if d.content_fingerprint else {}),
-                    **({"field": d.field} if d.field else {})},
+                    **({"field": d.field} if d.field else {}),
+                    **_megatron(d.megatron_unit, files)},
         "parallel": {"dp": p.dp, "cp": p.cp, "tp": p.tp, "pp": p.pp, "vpp": p.vpp,
                      "sequence_parallel": p.sequence_parallel, "pool_size": p.pool_size,
                      "microbatch_group_size": p.microbatch_group_size},
@@ -127,6 +128,27 @@ def plan_summary(header: PlanHeader, out: str | Path, phases: dict[str, float],
                     "worker_processes": len(c.workers), "worker_seconds_max": in_workers},
         "samples_per_second": drawn / work if work > 0 else None,
     }
+
+
+def _megatron(unit: str, files: list[dict[str, Any]]) -> dict[str, Any]:
+    """``{"megatron": {unit, num_documents, num_sequences}}`` for a dataset with Megatron files
+    (what a sample of them is, and how many of each the indexes hold); else empty."""
+    mg = [f for f in files if f.get("format") == "megatron"]
+    if not unit or not mg:
+        return {}
+    return {"megatron": {"unit": unit, "files": len(mg),
+                         "path": str(mg[0]["path"]) if len(mg) == 1 else "",
+                         "num_documents": sum(int(f.get("num_documents", 0)) for f in mg),
+                         "num_sequences": sum(int(f.get("num_sequences", 0)) for f in mg)}}
+
+
+def _megatron_line(m: dict[str, Any]) -> str:
+    """``data      50 documents (150 sequences) of x.idx, planned as documents``."""
+    docs, seqs = f"{m['num_documents']:,} documents", f"{m['num_sequences']:,} sequences"
+    counts = (f"{docs} ({seqs})" if m["unit"] == "document" else
+              f"{seqs} ({docs})" if m["num_documents"] else f"{seqs} (no document index)")
+    where = m["path"] if m["path"] else f"{m['files']} Megatron files"
+    return f"data      {counts} of {where}, planned as {m['unit']}s"
 
 
 def _blend_entries(blend: dict[str, Any] | None, files: list[dict[str, Any]]
@@ -185,6 +207,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"dataset   {d['path']}: {d['num_samples']:,} samples, {d['num_tokens']:,} tokens "
         f"({d['format']}" + (f", field {d['field']!r}" if d.get("field") else "") + ")",
     ]
+    if d.get("megatron"):
+        lines.append(_megatron_line(d["megatron"]))
     if len(d["files"]) > 1:
         for f in d["files"]:
             lines.append(f"  file    {f['path']}: {f['num_samples']:,} samples, "

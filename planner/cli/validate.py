@@ -46,8 +46,10 @@ def cmd_validate(argv: list[str]) -> int:
             # the field: the flag is needed only for a plan that recorded none.
             skip = args.skip_bad_records or f.header.skips_bad_records
             try:
+                # The Megatron unit the plan was made with (none recorded: sequences).
                 table = read_lengths(items, skip_bad_records=skip, field=field,
-                                     notice=print_notice)
+                                     notice=print_notice,
+                                     megatron_unit=f.header.dataset.replay_megatron_unit)
             except ValueError as e:
                 raise ValueError(field_hint(str(e), recorded, args.field, args.plan)) from None
             lengths = table.lengths

@@ -34,6 +34,7 @@ from planner.sources.formats import (
     MAX_LENGTH,
     BadRecords,
     iter_line_chunks,
+    only_token_list_hint,
 )
 from planner.sources.jsonl_scan import BLANK, CHECK, encode_fields, scan_chunk
 
@@ -85,9 +86,12 @@ def _record_length(raw: bytes, fields: tuple[str, ...]) -> int | str:
         value = obj.get(name)
         if value is not None:
             return _value_length(name, value)
+    lists = only_token_list_hint([k for k, v in obj.items() if isinstance(v, list) and v and all(
+        type(t) is int for t in v)], "field")
     if len(fields) == 1:
-        return f"no {fields[0]!r} field (or it is null)" + _text_hint(obj)
-    return "no usable field (one of " + ", ".join(repr(f) for f in fields) + ")" + _text_hint(obj)
+        return f"no {fields[0]!r} field (or it is null)" + lists + _text_hint(obj)
+    return ("no usable field (one of " + ", ".join(repr(f) for f in fields) + ")" + lists
+            + _text_hint(obj))
 
 
 def _text_hint(obj: dict[str, object]) -> str:
