@@ -42,6 +42,7 @@ from planner.sources.content import CHUNK_TOKENS, block_digest, block_starts, fi
 from planner.sources.dataset import file_identity
 from planner.sources.fieldname import field_hint, replay_field
 from runtime.data.plan_reader import PlanReader
+from runtime.data.token_text import check_vocab, name_mismatch, open_text_source, plan_encoder
 from runtime.data.tokens import TokenSource, open_token_source, read_segments
 
 __all__ = ["check_plan_source", "open_plan_source", "plan_skips_records", "verify_content"]
@@ -55,13 +56,19 @@ def plan_skips_records(reader: PlanReader) -> bool:
     return reader.header.skips_bad_records
 
 
-def open_plan_source(reader: PlanReader, paths: Paths, *,
-                     field: str | None = None) -> TokenSource:
+def open_plan_source(reader: PlanReader, paths: Paths, *, field: str | None = None,
+                     tokenizer: str | None = None, vocab_size: int = 0,
+                     vocab_flag: str = "--vocab-size") -> TokenSource:
     """The plan's dataset, opened as the planner read it and checked against the plan.
 
     ``field`` overrides the record field the plan was made with (its header's
     ``dataset.field``; None: that one), for a dataset whose field was renamed since planning;
     the fingerprints still check what it reads.
+
+    A plan of a text corpus (its header's ``dataset.tokenizer``) opens through
+    ``runtime.data.token_text``: ``tokenizer`` overrides the recorded tokenizer path (the
+    sha256 must match) and ``vocab_size`` (the model's, when known; named ``vocab_flag`` in
+    messages) must hold the tokenizer's ids. Both are refused for a plan of token ids.
 
     Collective when the plan has content fingerprints and a process group is initialised
     (every rank must call it, in the same order relative to other collectives).
@@ -72,6 +79,11 @@ def open_plan_source(reader: PlanReader, paths: Paths, *,
             and the file (and the line, for a record).
     """
     recorded = reader.header.dataset.field
+    if reader.header.dataset.tokenizer:
+        return _open_text(reader, paths, field, tokenizer, vocab_size, vocab_flag)
+    if tokenizer is not None:
+        raise ValueError(f"{reader.path}: --tokenizer {tokenizer} given, but the plan was made "
+                         "from token ids (its header records no tokenizer); drop --tokenizer")
     try:
         source = open_token_source(paths, skip_bad_records=plan_skips_records(reader),
                                    field=replay_field(recorded, field))
@@ -90,6 +102,49 @@ def open_plan_source(reader: PlanReader, paths: Paths, *,
             _first_tokens(reader, source)
         except ValueError as e:
             raise ValueError(field_hint(str(e), recorded, field, str(reader.path))) from None
+    except BaseException:
+        close = getattr(source, "close", None)
+        if close is not None:
+            close()
+        raise
+    return source
+
+
+def _open_text(reader: PlanReader, paths: Paths, field: str | None, tokenizer: str | None,
+               vocab_size: int, vocab_flag: str) -> TokenSource:
+    """``open_plan_source`` for a text plan: the plan's tokenizer, the records' counts through
+    the fingerprints (the first contradicting sample named), the content fingerprint."""
+    encoder = plan_encoder(reader.header.dataset.tokenizer, str(reader.path), tokenizer)
+    check_vocab(encoder.spec, vocab_size, vocab_flag)
+    items = [os.fspath(paths)] if isinstance(paths, (str, os.PathLike)) else [
+        os.fspath(p) for p in paths]
+    name = replay_field(reader.header.dataset.field, field) or "text"
+    try:
+        source = open_text_source(items, encoder, name,
+                                  skip_bad_records=plan_skips_records(reader))
+    except ValueError as e:
+        message = str(e)
+        if message.endswith(": no such file"):
+            listed = [str(f["path"]) for f in reader.header.dataset.files]
+            message += (f"; {reader.path} was made from {', '.join(listed)}: give that "
+                        "dataset with --dataset")
+        raise ValueError(message) from None
+    try:
+        try:
+            reader.check_dataset(source.lengths(), _names(reader, source))
+        except ValueError as e:
+            rows: dict[str, list[NDArray[np.int64]]] = {
+                "sample_index": [], "token_offset": [], "num_tokens": []}
+            for step in range(reader.num_steps):
+                cols = reader.columns(step)
+                for k, v in rows.items():
+                    v.append(np.asarray(cols[k], np.int64))
+            flat = {k: np.concatenate(v) if v else np.zeros(0, np.int64)
+                    for k, v in rows.items()}
+            where = name_mismatch(source, flat, reader.header.stats.get("truncated_samples", []))
+            raise ValueError(f"{e}{where}: the text or the tokenizer is not the plan's"
+                             ) from None
+        verify_content(reader, source)
     except BaseException:
         close = getattr(source, "close", None)
         if close is not None:
