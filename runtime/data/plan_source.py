@@ -58,7 +58,7 @@ def plan_skips_records(reader: PlanReader) -> bool:
 
 def open_plan_source(reader: PlanReader, paths: Paths, *, field: str | None = None,
                      tokenizer: str | None = None, vocab_size: int = 0,
-                     vocab_flag: str = "--vocab-size") -> TokenSource:
+                     vocab_flag: str = "vocab_size") -> TokenSource:
     """The plan's dataset, opened as the planner read it and checked against the plan.
 
     ``field`` overrides the record field the plan was made with (its header's

@@ -60,7 +60,7 @@ def plan_encoder(recorded: dict[str, object], plan: str,
                          ) from None
 
 
-def check_vocab(spec: TokenizerSpec, vocab_size: int, flag: str = "--vocab-size") -> None:
+def check_vocab(spec: TokenizerSpec, vocab_size: int, flag: str = "vocab_size") -> None:
     """Refuse a model vocabulary smaller than the tokenizer's (ids would be out of range)."""
     if vocab_size and vocab_size < spec.vocab_size:
         raise ValueError(f"{flag} {vocab_size} is below the vocabulary of the plan's tokenizer "
