@@ -22,6 +22,7 @@ text or tokenizer that is not the plan's is refused before the first step.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -41,6 +42,9 @@ __all__ = ["COUNT_BATCH", "TextTokens", "check_vocab", "name_mismatch", "open_te
 COUNT_BATCH = 4096
 """Records per ``TextEncoder.count`` call at open: big enough for the tokenizer's threads,
 small enough that the texts in flight stay a few MB."""
+CACHE_TOKENS = 1 << 20
+"""Token ids of the most recently read records kept (8 MB): a sample split over several
+microbatches, or read again by the next step's rows, is tokenized once, not once a segment."""
 
 
 def plan_encoder(recorded: dict[str, object], plan: str,
@@ -81,6 +85,8 @@ class TextTokens:
             rows = range(a, min(a + COUNT_BATCH, records.num_samples))
             parts.append(self._count(rows, records.texts(rows)))
         self._lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        self._cache: OrderedDict[int, NDArray[np.int64]] = OrderedDict()
+        self._cached = 0
 
     def _count(self, rows: Sequence[int], texts: list[str | None]) -> NDArray[np.int64]:
         bad = [j for j, t in enumerate(texts) if t is None]
@@ -101,15 +107,25 @@ class TextTokens:
 
     def tokens(self, rows: Sequence[int]) -> list[NDArray[np.int64]]:
         """Each row's whole token ids, checked against the count made at open."""
-        texts = self.records.texts(rows)
-        out = self.encoder.encode([t or "" for t in texts])
-        for r, t, ids in zip(rows, texts, out, strict=True):
+        missing = [r for r in dict.fromkeys(rows) if r not in self._cache]
+        texts = self.records.texts(missing)
+        for r, t, ids in zip(missing, texts, self.encoder.encode([t or "" for t in texts]),
+                             strict=True):
             want = int(self._lengths[r])
             if len(ids) != want and not (t is None and self.skip_bad_records):
                 raise ValueError(
                     f"{self.path}: record of sample {r} ({self.records.where(r)}) tokenizes to "
                     f"{len(ids)} tokens, {want} when the run started: the file changed while "
                     "it was read; this is not the dataset the plan was made for")
+            self._cache[r] = ids
+            self._cached += len(ids)
+        out = []
+        for r in rows:
+            self._cache.move_to_end(r)
+            out.append(self._cache[r])
+        # Least recently read first out; this call's rows stay (they were just moved last).
+        while self._cached > CACHE_TOKENS and len(self._cache) > len(rows):
+            self._cached -= len(self._cache.popitem(last=False)[1])
         return out
 
     def read(self, sample_index: int, offset: int, length: int) -> NDArray[np.int64]:
