@@ -84,10 +84,8 @@ class PlanJob:
         field: the token field, overriding the plan's recorded one.
         timeout_minutes: every group's collective timeout.
         seed: seed of Megatron's model-parallel RNG tracker (CUDA).
-        vocab_size: when set, token ids are checked against it (naming the step and samples),
-            and a text plan's tokenizer must fit in it.
-        tokenizer: a text plan's ``tokenizer.json`` (or its folder), where it is not at the
-            path the plan records; the sha256 must be the plan's (refused for token-id plans).
+        vocab_size: when set, token ids (and a text plan's tokenizer) must fit in it.
+        tokenizer: a text plan's tokenizer.json, if not where the plan says (same sha256).
         attention: ``plan`` (the adapter's core attention, any device) or ``te``.
 
     Raises:
@@ -114,9 +112,9 @@ class PlanJob:
             source: TokenSource
             if dataset is None or isinstance(dataset, (str, list, tuple)):
                 paths = (dataset,) if isinstance(dataset, str) else tuple(dataset or ())
-                source = open_plan_source(reader, paths or plan_items(
-                    reader.header.dataset.files, reader.header.dataset.path), field=field,
-                    tokenizer=tokenizer, vocab_size=vocab_size)
+                paths = paths or plan_items(reader.header.dataset.files, reader.header.dataset.path)
+                source = open_plan_source(reader, paths, field=field, tokenizer=tokenizer,
+                                          vocab_size=vocab_size)
                 self._owned.append(source)
             else:
                 assert not isinstance(dataset, str)
