@@ -42,7 +42,14 @@ from planner.sources.content import CHUNK_TOKENS, block_digest, block_starts, fi
 from planner.sources.dataset import file_identity
 from planner.sources.fieldname import field_hint, replay_field
 from runtime.data.plan_reader import PlanReader
-from runtime.data.token_text import check_vocab, name_mismatch, open_text_source, plan_encoder
+from runtime.data.token_text import (
+    Reduce,
+    Share,
+    check_vocab,
+    name_mismatch,
+    open_text_source,
+    plan_encoder,
+)
 from runtime.data.tokens import TokenSource, open_token_source, read_segments
 
 __all__ = ["check_plan_source", "open_plan_source", "plan_skips_records", "verify_content"]
@@ -70,8 +77,8 @@ def open_plan_source(reader: PlanReader, paths: Paths, *, field: str | None = No
     sha256 must match) and ``vocab_size`` (the model's, when known; named ``vocab_flag`` in
     messages) must hold the tokenizer's ids. Both are refused for a plan of token ids.
 
-    Collective when the plan has content fingerprints and a process group is initialised
-    (every rank must call it, in the same order relative to other collectives).
+    Collective when the plan has content fingerprints or is of text, and a process group is
+    initialised (every rank must call it, in the same order relative to other collectives).
 
     Raises:
         ValueError: the dataset is not the plan's (lengths or, with content fingerprints,
@@ -121,7 +128,8 @@ def _open_text(reader: PlanReader, paths: Paths, field: str | None, tokenizer: s
     name = replay_field(reader.header.dataset.field, field) or "text"
     try:
         source = open_text_source(items, encoder, name,
-                                  skip_bad_records=plan_skips_records(reader))
+                                  skip_bad_records=plan_skips_records(reader),
+                                  sharing=lambda files: _count_sharing(reader, files))
     except ValueError as e:
         message = str(e)
         if message.endswith(": no such file"):
@@ -151,6 +159,33 @@ def _open_text(reader: PlanReader, paths: Paths, field: str | None, tokenizer: s
             close()
         raise
     return source
+
+
+def _count_sharing(reader: PlanReader, files: list[str]) -> tuple[Share, Reduce | None]:
+    """How the ranks reading one copy of a text corpus share its count at open (as
+    ``verify_content`` shares the hashing): this rank's place among them, and the reduce that
+    sums their counts and makes one rank's error every rank's. None in a world of one."""
+    rank, world = _world()
+    if world == 1:
+        return (0, 1), None
+    members, group = _copy_group(rank, world, files)
+
+    def reduce(parts: list[NDArray[np.int64]], error: str
+               ) -> tuple[list[NDArray[np.int64]], str]:
+        flat = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        if len(members) > 1 and len(flat):
+            # Each batch is counted by one rank of the copy, zeros elsewhere: the sum is the count.
+            t = torch.from_numpy(flat.copy()).to(_device())
+            dist.all_reduce(t, group=group)
+            flat = t.cpu().numpy()
+        flag = torch.tensor([1 if error else 0], dtype=torch.int64, device=_device())
+        dist.all_reduce(flag)
+        if int(flag.item()) and not error:
+            error = (f"{reader.path}: another rank found a bad record in the text corpus (that "
+                     "rank's message names it)")
+        return np.split(flat, np.cumsum([len(p) for p in parts])[:-1].tolist()), error
+
+    return (members.index(rank), len(members)), reduce
 
 
 def check_plan_source(reader: PlanReader, source: TokenSource) -> None:

@@ -15,15 +15,16 @@ Checks, so a changed text or tokenizer never trains silently:
 2. at every read, each record's token count is checked against the count made at open (a file
    edited during the run is refused, naming the sample).
 
-Trade-off: the count at open costs one pass of the tokenizer over the corpus on every rank
-(BENCHMARKS.md has the rate); in exchange no sidecar file of token ids exists to go stale, and a
-text or tokenizer that is not the plan's is refused before the first step.
+Trade-off: the count at open costs one pass of the tokenizer over the corpus, shared by the
+ranks that read one copy of it (``plan_source``: batches dealt round-robin, one all-reduce of
+the counts; BENCHMARKS.md has the rate); in exchange no sidecar file of token ids exists to go
+stale, and a text or tokenizer that is not the plan's is refused before the first step.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from numpy.typing import NDArray
@@ -36,8 +37,8 @@ from runtime.data.text_records import TextRecords, open_text_records
 from runtime.data.token_files import check_many, check_read
 from runtime.data.tokens import ConcatTokens, TokenSource
 
-__all__ = ["COUNT_BATCH", "TextTokens", "check_vocab", "name_mismatch", "open_text_source",
-           "plan_encoder"]
+__all__ = ["COUNT_BATCH", "TextTokens", "check_vocab", "count_records", "name_mismatch",
+           "open_text_source", "plan_encoder"]
 
 COUNT_BATCH = 4096
 """Records per ``TextEncoder.count`` call at open: big enough for the tokenizer's threads,
@@ -72,31 +73,59 @@ def check_vocab(spec: TokenizerSpec, vocab_size: int, flag: str = "vocab_size") 
                          "or more")
 
 
-class TextTokens:
-    """One file's records, tokenized when read (see the module docstring)."""
+Share = tuple[int, int]
+"""(this rank's place, ranks sharing the count): batch g of the corpus is counted by the rank
+whose place is ``g % ranks``; (0, 1) counts everything."""
+Reduce = Callable[[list[NDArray[np.int64]], str], tuple[list[NDArray[np.int64]], str]]
+"""Sums the partial counts (one array per file) over the ranks sharing them and agrees on an
+error (each rank's message, '' for none) on every rank: collective."""
 
-    def __init__(self, records: TextRecords, encoder: TextEncoder, *,
-                 skip_bad_records: bool = False) -> None:
+
+def count_records(files: Sequence[TextRecords], encoder: TextEncoder, *,
+                  skip_bad_records: bool = False, share: Share = (0, 1)
+                  ) -> list[NDArray[np.int64]]:
+    """Each file's record counts, for this rank's batches of ``COUNT_BATCH`` records (0 for the
+    others'). Batches are dealt over the whole corpus, so many small files share too.
+
+    Raises:
+        ValueError: a record without a string field (file, line or row, sample), unless
+            ``skip_bad_records`` (then it counts 0).
+    """
+    mine, ranks = share
+    out, g = [], 0
+    for records in files:
+        counts = np.zeros(records.num_samples, np.int64)
+        for a in range(0, records.num_samples, COUNT_BATCH):
+            g += 1
+            if (g - 1) % ranks != mine:
+                continue
+            rows = range(a, min(a + COUNT_BATCH, records.num_samples))
+            texts = records.texts(rows)
+            bad = [j for j, t in enumerate(texts) if t is None]
+            if bad and not skip_bad_records:
+                r = int(rows[bad[0]])
+                raise ValueError(f"{records.path}: record of sample {r} ({records.where(r)}) "
+                                 f"has no string {getattr(records, 'field', 'text')!r} field")
+            part = encoder.count([t or "" for t in texts])
+            part[bad] = 0
+            counts[a:a + len(rows)] = part
+        out.append(counts)
+    return out
+
+
+class TextTokens:
+    """One file's records, tokenized when read (see the module docstring); ``lengths``: their
+    counts (``count_records``)."""
+
+    def __init__(self, records: TextRecords, encoder: TextEncoder,
+                 lengths: NDArray[np.int64], *, skip_bad_records: bool = False) -> None:
         self.path = records.path
         self.records, self.encoder = records, encoder
         self.skip_bad_records = skip_bad_records
-        parts = []
-        for a in range(0, records.num_samples, COUNT_BATCH):
-            rows = range(a, min(a + COUNT_BATCH, records.num_samples))
-            parts.append(self._count(rows, records.texts(rows)))
-        self._lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        assert len(lengths) == records.num_samples
+        self._lengths = np.asarray(lengths, np.int64)
         self._cache: OrderedDict[int, NDArray[np.int64]] = OrderedDict()
         self._cached = 0
-
-    def _count(self, rows: Sequence[int], texts: list[str | None]) -> NDArray[np.int64]:
-        bad = [j for j, t in enumerate(texts) if t is None]
-        if bad and not self.skip_bad_records:
-            r = int(rows[bad[0]])
-            raise ValueError(f"{self.path}: record of sample {r} ({self.records.where(r)}) has "
-                             f"no string {getattr(self.records, 'field', 'text')!r} field")
-        counts = self.encoder.count([t or "" for t in texts])
-        counts[bad] = 0
-        return counts
 
     @property
     def num_samples(self) -> int:
@@ -144,12 +173,30 @@ class TextTokens:
 
 
 def open_text_source(paths: Sequence[str], encoder: TextEncoder, field: str, *,
-                     skip_bad_records: bool = False) -> TokenSource:
+                     skip_bad_records: bool = False,
+                     sharing: Callable[[list[str]], tuple[Share, Reduce | None]] | None = None
+                     ) -> TokenSource:
     """The text corpus at ``paths`` (files, directories, globs in the planner's order) as one
-    token source tokenized by ``encoder`` from the records' ``field``."""
+    token source tokenized by ``encoder`` from the records' ``field``.
+
+    ``sharing(files)`` gives this rank's share of the count at open and the collective that
+    completes it (``plan_source``: the ranks reading one copy of the files); None: this
+    process counts every record.
+    """
     files = [f for f, _ in expand_paths(list(paths), DATASET_SUFFIXES)]
-    sources = [TextTokens(open_text_records(f, field), encoder,
-                          skip_bad_records=skip_bad_records) for f in files]
+    records = [open_text_records(f, field) for f in files]
+    share, reduce = sharing(files) if sharing is not None else ((0, 1), None)
+    error = ""
+    try:
+        counts = count_records(records, encoder, skip_bad_records=skip_bad_records, share=share)
+    except ValueError as e:
+        error, counts = str(e), [np.zeros(r.num_samples, np.int64) for r in records]
+    if reduce is not None:  # every rank, an error or not: the collective must not hang
+        counts, error = reduce(counts, error)
+    if error:
+        raise ValueError(error)
+    sources = [TextTokens(r, encoder, n, skip_bad_records=skip_bad_records)
+               for r, n in zip(records, counts, strict=True)]
     if len(sources) == 1 and list(paths) == files:
         return sources[0]
     return ConcatTokens(sources, files)

@@ -168,3 +168,34 @@ def test_rewrite_keeps_the_steps(tmp_path: Path) -> None:
         assert a.header.dataset.field == "text"
         assert all(a.columns(i)["sample_index"].tolist() == b.columns(i)["sample_index"].tolist()
                    for i in range(a.num_steps))
+
+
+def _shared_count(rank: int, world_size: int, store: str, plan: str, data: str,
+                  batch: int) -> list[int] | str:
+    """Open the text plan's source on this rank with ``batch`` records per counted batch."""
+    del rank, world_size, store
+    import runtime.data.token_text as token_text
+
+    token_text.COUNT_BATCH = batch
+    with PlanReader(plan) as r:
+        try:
+            return open_plan_source(r, [data]).lengths().tolist()
+        except ValueError as e:
+            return str(e)
+
+
+@pytest.mark.dist
+def test_two_ranks_share_the_count_and_a_bad_record_fails_both(tmp_path: Path) -> None:
+    tp = text_plans(tmp_path, PLAN)
+    want = tp.encoder.count(tp.documents).tolist()
+    # 40 records in batches of 7: rank 0 counts batches 0, 2, 4; rank 1 batches 1, 3, 5.
+    got = run_distributed(_shared_count, 2, str(tp.text_plan), str(tp.text), 7, timeout=120)
+    assert got == [want, want]
+    lines = tp.text.read_text().splitlines()
+    lines[8] = json.dumps({"id": 8, "text": 8})  # batch 1: rank 1's
+    tp.text.write_text("\n".join(lines) + "\n")
+    first, second = run_distributed(_shared_count, 2, str(tp.text_plan), str(tp.text), 7,
+                                    timeout=120)
+    assert first == f"{tp.text_plan}: another rank found a bad record in the text corpus " \
+        "(that rank's message names it)"
+    assert second == f"{tp.text}: record of sample 8 (line 9) has no string 'text' field"
