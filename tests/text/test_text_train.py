@@ -16,13 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from planner.cli import main as plan_main
 from runtime.data.plan_reader import PlanReader
 from runtime.data.plan_source import open_plan_source
 from runtime.data.tokens import read_segments
 from runtime.train.cli import main as train_main
 from tests.dist import run_distributed
 from tests.text.bpe import train_bpe
-from tests.text.plans import rewrite_as_text, text_plans, write_text
+from tests.text.plans import TextPlans, rewrite_as_text, text_plans, write_text
 
 VOCAB = 320  # the test tokenizer has 300 ids
 # Pool 2 (dp 1 x cp 2), C = 64: documents of up to ~150 tokens, split where longer than 128.
@@ -61,18 +62,23 @@ def test_the_text_source_gives_the_pretokenized_tokens(tmp_path: Path, suffix: s
 @pytest.mark.dist
 def test_native_ranks_and_oracle_on_text_equal_the_pretokenized_runs(tmp_path: Path) -> None:
     tp = text_plans(tmp_path, PLAN)
+    text_eval, ids_eval = _eval_twins(tmp_path, tp)
     logs = {k: tmp_path / f"{k}.log" for k in ("text", "ids", "text-oracle", "ids-oracle")}
-    # No --dataset, no --tokenizer: the header names both.
+    # No --dataset, no --tokenizer: the header names both (the evaluator's plan is text too).
     assert run_distributed(_cli, 2, ["--plan", str(tp.text_plan), *TRAIN, "--log-jsonl",
-                                     str(logs["text"])], timeout=300) == [0, 0]
+                                     str(logs["text"]), "--eval-plan", str(text_eval),
+                                     "--eval-dataset", str(tp.text)], timeout=300) == [0, 0]
     assert run_distributed(_cli, 2, ["--plan", str(tp.ids_plan), *TRAIN, "--log-jsonl",
-                                     str(logs["ids"])], timeout=300) == [0, 0]
+                                     str(logs["ids"]), "--eval-plan", str(ids_eval),
+                                     "--eval-dataset", str(tp.ids)], timeout=300) == [0, 0]
     for name, plan in (("text-oracle", tp.text_plan), ("ids-oracle", tp.ids_plan)):
         assert train_main(["--plan", str(plan), *TRAIN, "--reference", "--log-jsonl",
                            str(logs[name])]) == 0
     text, ids = _losses(logs["text"]), _losses(logs["ids"])
     assert len(text) == 2
     assert text == ids  # the same tokens: the same losses, bit for bit
+    assert len(_evals(logs["text"])) == 1
+    assert _evals(logs["text"]) == _evals(logs["ids"])
     assert _losses(logs["text-oracle"]) == _losses(logs["ids-oracle"])
     for got, want in zip(text, _losses(logs["text-oracle"]), strict=True):
         assert abs(got - want) <= 1e-5 * abs(want)
@@ -92,6 +98,18 @@ def test_framework_ranks_on_text_equal_the_pretokenized_run(tmp_path: Path,
     text = _losses(logs["text"])
     assert len(text) == 2
     assert text == _losses(logs["ids"])
+
+
+def _eval_twins(tmp: Path, tp: TextPlans) -> tuple[Path, Path]:
+    """(text eval plan, its token-id twin) over the same corpus (``dcp-plan --eval``)."""
+    flags = [f for f in PLAN if f not in ("--seed", "3")]
+    ids_eval = tmp / "ids-eval.arrow"
+    assert plan_main([str(tp.ids), "--eval", "-o", str(ids_eval), "--quiet", *flags]) == 0
+    return rewrite_as_text(ids_eval, tmp / "text-eval.arrow", tp.text, tp.encoder), ids_eval
+
+
+def _evals(log: Path) -> list[float]:
+    return [json.loads(x)["eval_loss"] for x in log.read_text().splitlines() if "eval_loss" in x]
 
 
 def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
@@ -179,7 +197,7 @@ def _shared_count(rank: int, world_size: int, store: str, plan: str, data: str,
     token_text.COUNT_BATCH = batch
     with PlanReader(plan) as r:
         try:
-            return open_plan_source(r, [data]).lengths().tolist()
+            return [int(n) for n in open_plan_source(r, [data]).lengths()]
         except ValueError as e:
             return str(e)
 
@@ -199,3 +217,18 @@ def test_two_ranks_share_the_count_and_a_bad_record_fails_both(tmp_path: Path) -
     assert first == f"{tp.text_plan}: another rank found a bad record in the text corpus " \
         "(that rank's message names it)"
     assert second == f"{tp.text}: record of sample 8 (line 9) has no string 'text' field"
+
+
+def test_an_eval_plan_of_text_evaluates_as_its_twin(tmp_path: Path) -> None:
+    """``--eval-plan`` of text (the evaluator and the oracle's eval open it alike), beside a
+    training plan of text: the eval losses of the token-id twins."""
+    tp = text_plans(tmp_path, PLAN)
+    text_eval, ids_eval = _eval_twins(tmp_path, tp)
+    logs = {k: tmp_path / f"{k}.log" for k in ("text", "ids")}
+    for name, plan, ev, data in (("text", tp.text_plan, text_eval, tp.text),
+                                 ("ids", tp.ids_plan, ids_eval, tp.ids)):
+        assert train_main(["--plan", str(plan), *TRAIN, "--reference", "--steps", "1",
+                           "--eval-plan", str(ev), "--eval-dataset", str(data),
+                           "--log-jsonl", str(logs[name])]) == 0
+    assert len(_evals(logs["text"])) == 1
+    assert _evals(logs["text"]) == _evals(logs["ids"])
