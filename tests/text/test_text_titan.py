@@ -77,3 +77,28 @@ def test_another_hf_tokenizer_is_refused(tmp_path: Path) -> None:
             text_tokenizer(r, None, other)
     with PlanReader(tp.ids_plan) as r:  # a plan of token ids: torchtitan's tokenizer is unused
         assert text_tokenizer(r, None, other) is None
+
+
+def test_the_registry_path_takes_hf_assets_path_when_it_holds_the_plans_tokenizer(
+        tmp_path: Path) -> None:
+    """``torchrun -m torchtitan.train --module runtime.adapters.torchtitan.registry ...
+    --plan.path TEXT_PLAN --hf_assets_path DIR``: torchtitan's own flag names the tokenizer."""
+    from runtime.adapters.torchtitan import registry
+    from runtime.adapters.torchtitan.section import PlanSection, apply_plan
+
+    tp = text_plans(tmp_path, PLAN)
+    other = train_bpe(tmp_path / "o", vocab_size=290)
+
+    def applied(assets: str, tokenizer: str = "") -> str | None:
+        config = registry.llama3_debugmodel()
+        config.plan = PlanSection(path=str(tp.text_plan), dataset=str(tp.text),
+                                  tokenizer=tokenizer)
+        config.hf_assets_path = assets
+        apply_plan(config)
+        return config.dataloader.tokenizer_path  # type: ignore[no-any-return]
+
+    assert applied(str(tp.tokenizer.parent)) == str(tp.tokenizer)
+    assert applied(".") is None  # the registry's default: the plan's recorded path
+    assert applied(str(other.parent), tokenizer=str(tp.tokenizer)) == str(tp.tokenizer)
+    with pytest.raises(ValueError, match=r"--hf_assets_path .*o: holds another tokenizer.json"):
+        applied(str(other.parent))
