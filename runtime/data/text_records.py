@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -78,6 +79,11 @@ def _line_index(chunks: Iterable[tuple[int, bytes | memoryview]]
             np.concatenate(lines).astype(np.int64))
 
 
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    """Device, inode, size, mtime and ctime: what an edit or a replacement changes."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 def _record_text(raw: bytes, field: str) -> str | None:
     try:
         obj = json.loads(raw.decode("utf-8-sig", "replace"))
@@ -92,6 +98,7 @@ class JsonlText:
 
     def __init__(self, path: str, field: str) -> None:
         self.path, self.field = path, field
+        self._identity = _identity(os.stat(path))
         self._offsets, self._sizes, self._lines = _line_index(iter_line_chunks(path))
 
     @property
@@ -102,6 +109,10 @@ class JsonlText:
         out: list[str | None] = []
         with open(self.path, "rb") as f:
             fd = f.fileno()
+            if _identity(os.fstat(fd)) != self._identity:
+                # The index's offsets would cut other records out of an edited file.
+                raise ValueError(f"{self.path}: the file changed since it was opened (replaced "
+                                 "or edited); this is not the dataset the plan was made for")
             for r in rows:
                 raw = os.pread(fd, int(self._sizes[r]), int(self._offsets[r]))
                 out.append(_record_text(raw, self.field))
@@ -139,9 +150,15 @@ class MemoryText:
 
 
 class ArrowText:
-    """A string column of an Arrow IPC file or stream, or of a Parquet file."""
+    """A string column of an Arrow IPC file or stream, or of a Parquet file.
 
-    def __init__(self, path: str, field: str) -> None:
+    IPC record batches are views of the memory map; Parquet row groups are decoded when first
+    read and kept, most recently used first, up to ``cache_bytes``. Only the rows asked for
+    become Python strings (``take``), so a plan drawn at random costs a row group's decode per
+    group touched, not a whole group's strings per row.
+    """
+
+    def __init__(self, path: str, field: str, *, cache_bytes: int = 256 << 20) -> None:
         self.path, self.field = path, field
         self._parquet = Path(path).suffix.lower() in (".parquet", ".pq")
         try:
@@ -171,29 +188,39 @@ class ArrowText:
             raise ValueError(f"{path}: column {field!r} is not a string column (string "
                              f"columns: {strings or 'none'})")
         self._starts = np.r_[0, np.cumsum(counts)].astype(np.int64)
-        self._chunk_index = -1
-        self._chunk: list[str | None] = []
+        self._cache: OrderedDict[int, pa.Array] = OrderedDict()
+        self._cache_bytes, self._cached = cache_bytes, 0
 
     @property
     def num_samples(self) -> int:
         return int(self._starts[-1])
 
-    def _column(self, c: int) -> list[str | None]:
-        if c != self._chunk_index:  # one decoded chunk kept: reads come in sample order
-            try:
-                arr = (self._pq.read_row_group(c, columns=[self.field]).column(0)
-                       if self._parquet else self._batches[c].column(self.field))
-            except ARROW_ERRORS as e:
-                raise ValueError(f"{self.path}: row group {c} is unreadable ({e})") from None
-            self._chunk, self._chunk_index = arr.to_pylist(), c
-        return self._chunk
+    def _column(self, c: int) -> pa.Array:
+        if not self._parquet:
+            return self._batches[c].column(self.field)
+        hit = self._cache.get(c)
+        if hit is not None:
+            self._cache.move_to_end(c)
+            return hit
+        try:
+            arr = self._pq.read_row_group(c, columns=[self.field]).column(0).combine_chunks()
+        except ARROW_ERRORS as e:  # a corrupt page
+            raise ValueError(f"{self.path}: row group {c} is unreadable ({e})") from None
+        self._cache[c] = arr
+        self._cached += arr.nbytes
+        while self._cached > self._cache_bytes and len(self._cache) > 1:
+            self._cached -= self._cache.popitem(last=False)[1].nbytes
+        return arr
 
     def texts(self, rows: Sequence[int]) -> list[str | None]:
         out: list[str | None] = [None] * len(rows)
-        chunk = np.searchsorted(self._starts, np.asarray(rows, np.int64), "right") - 1
-        for j in np.argsort(chunk, kind="stable").tolist():
-            c = int(chunk[j])
-            out[j] = self._column(c)[int(rows[j]) - int(self._starts[c])]
+        index = np.asarray(rows, np.int64)
+        chunk = np.searchsorted(self._starts, index, "right") - 1
+        for c in np.unique(chunk).tolist():  # ascending: row groups decode in file order
+            sel = np.flatnonzero(chunk == c)
+            got = self._column(c).take(pa.array(index[sel] - self._starts[c])).to_pylist()
+            for j, text in zip(sel.tolist(), got, strict=True):
+                out[j] = text
         return out
 
     def where(self, row: int) -> str:

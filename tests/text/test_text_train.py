@@ -19,6 +19,8 @@ import pytest
 from planner.cli import main as plan_main
 from runtime.data.plan_reader import PlanReader
 from runtime.data.plan_source import open_plan_source
+from runtime.data.text_records import open_text_records
+from runtime.data.token_text import TextTokens
 from runtime.data.tokens import read_segments
 from runtime.train.cli import main as train_main
 from tests.dist import run_distributed
@@ -164,16 +166,25 @@ def test_a_record_without_text_is_named(tmp_path: Path) -> None:
 
 
 def test_a_text_changed_while_training_is_refused_at_the_read(tmp_path: Path) -> None:
-    tp = text_plans(tmp_path, PLAN, suffix=".parquet")
+    tp = text_plans(tmp_path, PLAN)
     with PlanReader(tp.text_plan) as r:
         source = open_plan_source(r, [str(tp.text)])
+        n = int(source.lengths()[9])
         docs = list(tp.documents)
         docs[9] = "plan"
         write_text(tp.text, docs)
-        n = int(source.lengths()[9])
-        with pytest.raises(ValueError, match=rf"{tp.text}: record of sample 9 \(row 9\) "
-                           rf"tokenizes to \d+ tokens, {n} when the run started"):
+        with pytest.raises(ValueError, match=rf"{tp.text}: the file changed since it was "
+                           "opened"):
             source.read(9, 0, n)
+    # A record whose tokens are not the count made at open is named (row, sample, counts).
+    table = tmp_path / "t.parquet"
+    write_text(table, tp.documents)
+    records = open_text_records(str(table), "text")
+    counts = tp.encoder.count(tp.documents)
+    counts[9] += 1
+    with pytest.raises(ValueError, match=rf"{table}: record of sample 9 \(row 9\) tokenizes "
+                       rf"to {counts[9] - 1} tokens, {counts[9]} when the run started"):
+        TextTokens(records, tp.encoder, counts).read(9, 0, 1)
 
 
 def test_rewrite_keeps_the_steps(tmp_path: Path) -> None:
