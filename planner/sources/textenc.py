@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["BOS_POLICIES", "TextEncoder", "TokenizerSpec", "load_encoder", "tokenizer_file"]
+__all__ = ["BOS_POLICIES", "TextEncoder", "TokenizerSpec", "load_encoder", "load_recorded",
+           "tokenizer_file"]
 
 BOS_POLICIES = ("tokenizer", "add", "none")
 """``--bos``: keep the tokenizer file's special tokens, prepend the BOS token, or neither."""
@@ -175,3 +176,26 @@ def load_encoder(path: str | Path, *, bos: str = "tokenizer", append_eod: bool =
         eod_id=(token_id(eod_token, "eos_token", "--append-eod", "--eod-token")
                 if append_eod else None))
     return TextEncoder(spec, tok)
+
+
+def load_recorded(spec: TokenizerSpec, path: str | Path | None = None) -> TextEncoder:
+    """The tokenizer a plan recorded (``spec``), loaded from ``path`` (default ``spec.path``),
+    with the plan's policies and BOS / EOD ids: what training tokenizes with.
+
+    Raises:
+        ValueError: no tokenizer there, or another file than the plan's (sha256), naming both.
+    """
+    f = tokenizer_file(spec.path if path is None else path)
+    loaded = load_encoder(f)
+    if loaded.spec.sha256 != spec.sha256:
+        raise ValueError(f"tokenizer {f}: sha256 {loaded.spec.sha256[:12]}, the plan was made "
+                         f"with {spec.path} (sha256 {spec.sha256[:12]}): another tokenizer "
+                         "gives other tokens; give the plan's tokenizer.json")
+    for name, i in (("bos_id", spec.bos_id), ("eod_id", spec.eod_id)):
+        if i is not None and not 0 <= i < loaded.spec.vocab_size:
+            raise ValueError(f"tokenizer {f}: the plan's {name} {i} is outside its vocabulary "
+                             f"of {loaded.spec.vocab_size}")
+    recorded = TokenizerSpec(path=str(f), sha256=spec.sha256,
+                             vocab_size=loaded.spec.vocab_size, bos=spec.bos,
+                             append_eod=spec.append_eod, bos_id=spec.bos_id, eod_id=spec.eod_id)
+    return TextEncoder(recorded, loaded._tok)

@@ -44,6 +44,14 @@ from planner.sources.content import CHUNK_TOKENS, block_digest, block_starts, fi
 from planner.sources.dataset import file_identity
 from planner.sources.fieldname import field_hint, replay_field
 from runtime.data.plan_reader import PlanReader
+from runtime.data.token_text import (
+    Reduce,
+    Share,
+    check_vocab,
+    name_mismatch,
+    open_text_source,
+    plan_encoder,
+)
 from runtime.data.tokens import MegatronTokens, TokenSource, open_token_source, read_segments
 
 __all__ = ["check_plan_source", "open_plan_source", "plan_skips_records", "verify_content"]
@@ -57,16 +65,22 @@ def plan_skips_records(reader: PlanReader) -> bool:
     return reader.header.skips_bad_records
 
 
-def open_plan_source(reader: PlanReader, paths: Paths, *,
-                     field: str | None = None) -> TokenSource:
+def open_plan_source(reader: PlanReader, paths: Paths, *, field: str | None = None,
+                     tokenizer: str | None = None, vocab_size: int = 0,
+                     vocab_flag: str = "vocab_size") -> TokenSource:
     """The plan's dataset, opened as the planner read it and checked against the plan.
 
     ``field`` overrides the record field the plan was made with (its header's
     ``dataset.field``; None: that one), for a dataset whose field was renamed since planning;
     the fingerprints still check what it reads.
 
-    Collective when the plan has content fingerprints and a process group is initialised
-    (every rank must call it, in the same order relative to other collectives).
+    A plan of a text corpus (its header's ``dataset.tokenizer``) opens through
+    ``runtime.data.token_text``: ``tokenizer`` overrides the recorded tokenizer path (the
+    sha256 must match) and ``vocab_size`` (the model's, when known; named ``vocab_flag`` in
+    messages) must hold the tokenizer's ids. Both are refused for a plan of token ids.
+
+    Collective when the plan has content fingerprints or is of text, and a process group is
+    initialised (every rank must call it, in the same order relative to other collectives).
 
     Raises:
         ValueError: the dataset is not the plan's (lengths or, with content fingerprints,
@@ -74,6 +88,11 @@ def open_plan_source(reader: PlanReader, paths: Paths, *,
             and the file (and the line, for a record).
     """
     recorded = reader.header.dataset.field
+    if reader.header.dataset.tokenizer:
+        return _open_text(reader, paths, field, tokenizer, vocab_size, vocab_flag)
+    if tokenizer is not None:
+        raise ValueError(f"{reader.path}: --tokenizer {tokenizer} given, but the plan was made "
+                         "from token ids (its header records no tokenizer); drop --tokenizer")
     try:
         source = open_token_source(paths, skip_bad_records=plan_skips_records(reader),
                                    field=replay_field(recorded, field),
@@ -99,6 +118,77 @@ def open_plan_source(reader: PlanReader, paths: Paths, *,
             close()
         raise
     return source
+
+
+def _open_text(reader: PlanReader, paths: Paths, field: str | None, tokenizer: str | None,
+               vocab_size: int, vocab_flag: str) -> TokenSource:
+    """``open_plan_source`` for a text plan: the plan's tokenizer, the records' counts through
+    the fingerprints (the first contradicting sample named), the content fingerprint."""
+    encoder = plan_encoder(reader.header.dataset.tokenizer, str(reader.path), tokenizer)
+    check_vocab(encoder.spec, vocab_size, vocab_flag)
+    items = [os.fspath(paths)] if isinstance(paths, (str, os.PathLike)) else [
+        os.fspath(p) for p in paths]
+    name = replay_field(reader.header.dataset.field, field) or "text"
+    try:
+        source = open_text_source(items, encoder, name,
+                                  skip_bad_records=plan_skips_records(reader),
+                                  sharing=lambda files: _count_sharing(reader, files))
+    except ValueError as e:
+        message = str(e)
+        if message.endswith(": no such file"):
+            listed = [str(f["path"]) for f in reader.header.dataset.files]
+            message += (f"; {reader.path} was made from {', '.join(listed)}: give that "
+                        "dataset with --dataset")
+        raise ValueError(message) from None
+    try:
+        try:
+            reader.check_dataset(source.lengths(), _names(reader, source))
+        except ValueError as e:
+            rows: dict[str, list[NDArray[np.int64]]] = {
+                "sample_index": [], "token_offset": [], "num_tokens": []}
+            for step in range(reader.num_steps):
+                cols = reader.columns(step)
+                for k, v in rows.items():
+                    v.append(np.asarray(cols[k], np.int64))
+            flat = {k: np.concatenate(v) if v else np.zeros(0, np.int64)
+                    for k, v in rows.items()}
+            where = name_mismatch(source, flat, reader.header.stats.get("truncated_samples", []))
+            raise ValueError(f"{e}{where}: the text or the tokenizer is not the plan's"
+                             ) from None
+        verify_content(reader, source)
+    except BaseException:
+        close = getattr(source, "close", None)
+        if close is not None:
+            close()
+        raise
+    return source
+
+
+def _count_sharing(reader: PlanReader, files: list[str]) -> tuple[Share, Reduce | None]:
+    """How the ranks reading one copy of a text corpus share its count at open (as
+    ``verify_content`` shares the hashing): this rank's place among them, and the reduce that
+    sums their counts and makes one rank's error every rank's. None in a world of one."""
+    rank, world = _world()
+    if world == 1:
+        return (0, 1), None
+    members, group = _copy_group(rank, world, files)
+
+    def reduce(parts: list[NDArray[np.int64]], error: str
+               ) -> tuple[list[NDArray[np.int64]], str]:
+        flat = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        if len(members) > 1 and len(flat):
+            # Each batch is counted by one rank of the copy, zeros elsewhere: the sum is the count.
+            t = torch.from_numpy(flat.copy()).to(_device())
+            dist.all_reduce(t, group=group)
+            flat = t.cpu().numpy()
+        flag = torch.tensor([1 if error else 0], dtype=torch.int64, device=_device())
+        dist.all_reduce(flag)
+        if int(flag.item()) and not error:
+            error = (f"{reader.path}: another rank found a bad record in the text corpus (that "
+                     "rank's message names it)")
+        return np.split(flat, np.cumsum([len(p) for p in parts])[:-1].tolist()), error
+
+    return (members.index(rank), len(members)), reduce
 
 
 def check_plan_source(reader: PlanReader, source: TokenSource) -> None:

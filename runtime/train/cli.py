@@ -111,6 +111,11 @@ def _parser() -> argparse.ArgumentParser:
                    "header; else input_ids, then tokens). Only for a dataset whose field was "
                    "renamed since planning: NAME is read instead, with a one-line notice, and "
                    "the plan's fingerprints still check what is read")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="a text plan's tokenizer (tokenizer.json or a folder holding one), "
+                   "where it is not at the path the plan recorded (dcp-plan --tokenizer); its "
+                   "sha256 must be the plan's. A text plan's records are tokenized on the fly "
+                   "with it; --vocab-size must hold its ids")
     p.add_argument("--steps", "--train-iters", dest="steps", type=nonnegative_int, default=0,
                    help="absolute step to stop before (0: all steps of the plan)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to train")
@@ -256,6 +261,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[TrainConfig, GPTConfi
         model_config = model_config_from_args(a)
         cfg = TrainConfig(plan=a.plan, dataset=items[0] if len(items) == 1 else " ".join(items),
                           datasets=items if len(items) > 1 else (), field=a.field,
+                          tokenizer=a.tokenizer,
                           eval_field=a.eval_field, steps=a.steps,
                           device=a.device, seed=a.seed, attention=a.attention, dtype=a.dtype,
                           lr=a.lr, weight_decay=a.weight_decay, verbose=a.verbose,

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from planner.planfile.schema import PlanHeader
 from runtime.train.backends import ATTENTIONS
 from runtime.train.megatron_options import MegatronOptions
 
@@ -45,6 +46,10 @@ class TrainConfig:
     field: str | None = None
     """Record field (JSONL) or column (Parquet, Arrow) of the tokens; None: the one the plan
     was made with (its header's ``dataset.field``), which this overrides (a renamed field)."""
+    tokenizer: str | None = None
+    """A text plan's tokenizer (``tokenizer.json`` or its folder), overriding the path its
+    header records (the sha256 must match); None: the recorded path. Refused for a plan of
+    token ids."""
     steps: int = 0
     """Absolute step to stop before; 0 means every step of the plan."""
     device: str = "cpu"
@@ -135,6 +140,11 @@ class TrainConfig:
         # The torch path also runs on CPU, with an SDPA stand-in for the CUDA kernel (tests).
         if self.attention == "te" and self.device != "cuda":
             raise ValueError("--attention te needs --device cuda")
+
+    def eval_tokenizer(self, header: PlanHeader) -> str | None:
+        """``tokenizer`` for the eval plan of ``header`` if that plan is of text too (the
+        training plan's text tokenizer may evaluate on a plan of token ids)."""
+        return self.tokenizer if header.dataset.tokenizer else None
 
     @property
     def dataset_paths(self) -> tuple[str, ...]:

@@ -64,7 +64,10 @@ class Evaluator:
         self.cfg = cfg
         self.reader = PlanReader(cfg.eval_plan)
         try:
-            self.source = open_plan_source(self.reader, cfg.eval_dataset, field=cfg.eval_field)
+            self.source = open_plan_source(
+                self.reader, cfg.eval_dataset, field=cfg.eval_field,
+                tokenizer=cfg.eval_tokenizer(self.reader.header),
+                vocab_size=model_config.vocab_size)
         except BaseException:
             self.reader.close()
             raise

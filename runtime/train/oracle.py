@@ -195,14 +195,17 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
     device = resolve_device(cfg)
     reader = PlanReader(cfg.plan)
     require_training_plan(reader.header.kind, cfg.plan)
-    source = open_plan_source(reader, cfg.dataset_paths, field=cfg.field)
+    source = open_plan_source(reader, cfg.dataset_paths, field=cfg.field,
+                              tokenizer=cfg.tokenizer, vocab_size=model_config.vocab_size)
     eval_reader = eval_source = None
     if cfg.eval_plan:
         # The same refusals as the replayed run: the oracle evaluates what it would evaluate.
         eval_reader = PlanReader(cfg.eval_plan)
         check_eval_layout(eval_reader.header, reader.header, eval_source=cfg.eval_plan,
                           train_source=cfg.plan)
-        eval_source = open_plan_source(eval_reader, cfg.eval_dataset, field=cfg.eval_field)
+        eval_source = open_plan_source(eval_reader, cfg.eval_dataset, field=cfg.eval_field,
+                                       tokenizer=cfg.eval_tokenizer(eval_reader.header),
+                                       vocab_size=model_config.vocab_size)
     model = build_model(model_config, cfg.seed, device)
     optimizer = build_optimizer(model, cfg)
     meta = checkpoint_meta(model_config, reader)

@@ -101,7 +101,9 @@ class Trainer:
             self._owned.append(reader)
         if source is None:
             # Read as the planner counted (bad records skipped), lengths and content checked.
-            source = open_plan_source(reader, cfg.dataset_paths, field=cfg.field)
+            source = open_plan_source(reader, cfg.dataset_paths, field=cfg.field,
+                                      tokenizer=cfg.tokenizer,
+                                      vocab_size=model_config.vocab_size)
             self._owned.append(source)
         else:
             check_plan_source(reader, source)

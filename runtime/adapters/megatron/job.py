@@ -84,7 +84,8 @@ class PlanJob:
         field: the token field, overriding the plan's recorded one.
         timeout_minutes: every group's collective timeout.
         seed: seed of Megatron's model-parallel RNG tracker (CUDA).
-        vocab_size: when set, token ids are checked against it (naming the step and samples).
+        vocab_size: when set, token ids (and a text plan's tokenizer) must fit in it.
+        tokenizer: a text plan's tokenizer.json, if not where the plan says (same sha256).
         attention: ``plan`` (the adapter's core attention, any device) or ``te``.
 
     Raises:
@@ -96,7 +97,7 @@ class PlanJob:
                  = None, *, device: str | torch.device = "cpu", dtype: str = "fp32",
                  groups: MegatronGroups | None = None, field: str | None = None,
                  timeout_minutes: float = 10.0, seed: int = 0, vocab_size: int = 0,
-                 attention: str = "plan") -> None:
+                 attention: str = "plan", tokenizer: str | None = None) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -111,8 +112,9 @@ class PlanJob:
             source: TokenSource
             if dataset is None or isinstance(dataset, (str, list, tuple)):
                 paths = (dataset,) if isinstance(dataset, str) else tuple(dataset or ())
-                source = open_plan_source(reader, paths or plan_items(
-                    reader.header.dataset.files, reader.header.dataset.path), field=field)
+                paths = paths or plan_items(reader.header.dataset.files, reader.header.dataset.path)
+                source = open_plan_source(reader, paths, field=field, tokenizer=tokenizer,
+                                          vocab_size=vocab_size)
                 self._owned.append(source)
             else:
                 assert not isinstance(dataset, str)

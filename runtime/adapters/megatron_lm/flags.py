@@ -9,7 +9,8 @@ names the flag, the plan's value and Megatron-LM's. Three kinds of check:
   the loss is summed per token);
 - ``plan_mismatches``: the job the flags describe against the plan the launcher was given
   (pool, tp, pp, vpp, sequence parallelism, the microbatch group size, the global batch, the
-  steps, the layout and the CP sizes Megatron's groups can hold).
+  steps, the layout and the CP sizes Megatron's groups can hold), and for a text plan
+  ``text_tokenizer``: Megatron-LM's tokenizer flags against the plan's tokenizer.
 
 ``adjust`` then sets the few fields the plan path fixes (variable sequence lengths, the
 external loader; on a CPU host gloo and the rerun machine off), and says so.
@@ -17,6 +18,7 @@ external loader; on a CPU host gloo and the rerun machine off), and says so.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +26,7 @@ from typing import Any
 from planner.groups import ZIGZAG
 from planner.planfile.schema import PlanHeader
 from planner.sources.dataset import plan_items
+from planner.sources.textenc import TokenizerSpec, tokenizer_file
 
 Args = Any
 """Megatron-LM's argument namespace (``argparse.Namespace``)."""
@@ -185,6 +188,47 @@ def plan_mismatches(args: Args, header: PlanHeader, num_steps: int, *, source: s
                    f"over a pool of {p.pool_size} exist for "
                    f"{sorted(megatron_cp_sizes(p.pool_size))} only")
     return out
+
+
+def text_tokenizer(args: Args, header: PlanHeader, *, source: str
+                   ) -> tuple[list[str], str | None]:
+    """(problems, tokenizer path) of Megatron-LM's tokenizer flags for a text plan (its header's
+    ``dataset.tokenizer``); a plan of token ids takes any (``([], None)``).
+
+    The launcher tokenizes the plan's records itself, with the plan's tokenizer
+    (``runtime.data.token_text``); Megatron-LM's tokenizer only sizes the vocabulary. So
+    ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model PATH`` must name the plan's
+    ``tokenizer.json`` (same sha256; PATH is then where it is read from), and
+    ``NullTokenizer``'s ``--vocab-size`` must hold the tokenizer's ids; any other type would be
+    another tokenizer than the one the ids come from, and is refused.
+    """
+    recorded = header.dataset.tokenizer
+    if not recorded:
+        return [], None
+    spec = TokenizerSpec.from_dict(recorded)
+    kind = getattr(args, "tokenizer_type", None)
+    plan = f"the plan {source} is of text tokenized with {spec.path} ({spec.vocab_size} ids)"
+    if kind == "NullTokenizer":
+        vocab = int(getattr(args, "vocab_size", 0) or 0)
+        if vocab < spec.vocab_size:
+            return [f"--vocab-size {vocab}: {plan}; give --vocab-size {spec.vocab_size} or "
+                    "more"], None
+        return [], None
+    if kind != "HuggingFaceTokenizer":
+        return [f"--tokenizer-type {kind}: {plan}; give --tokenizer-type "
+                "HuggingFaceTokenizer --tokenizer-model with its folder (or NullTokenizer "
+                "with --vocab-size)"], None
+    model = str(getattr(args, "tokenizer_model", "") or "")
+    try:
+        f = tokenizer_file(model)
+    except ValueError as e:
+        return [f"--tokenizer-model {model}: {e}; {plan}: name a local folder or file holding "
+                "that tokenizer.json (a hub name cannot be compared)"], None
+    digest = hashlib.sha256(f.read_bytes()).hexdigest()
+    if digest != spec.sha256:
+        return [f"--tokenizer-model {model}: {f} (sha256 {digest[:12]}) is another tokenizer; "
+                f"{plan} (sha256 {spec.sha256[:12]})"], None
+    return [], str(f)
 
 
 def eval_mismatches(args: Args, eval_plan: str, eval_steps: int | None) -> list[str]:

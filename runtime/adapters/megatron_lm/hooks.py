@@ -115,6 +115,8 @@ class Launcher:
                                           source=self.options.plan)
         eval_steps = s.eval_reader.num_steps if s.eval_reader is not None else None
         problems += flags.eval_mismatches(args, self.options.eval_plan, eval_steps)
+        text_problems, tokenizer = flags.text_tokenizer(args, s.header, source=self.options.plan)
+        problems += text_problems
         dataset = self.options.dataset
         try:
             if args.data_path:
@@ -131,7 +133,7 @@ class Launcher:
             args.use_cpu_initialization = True  # dist_utils.py:174 model_module.cuda()
             notes.append("--use-cpu-initialization (no CUDA on this host)")
         try:
-            s.open_sources(dataset, self.options.eval_dataset)
+            s.open_sources(dataset, self.options.eval_dataset, tokenizer=tokenizer)
         except ValueError as e:
             _exit([str(e)])
         if notes and int(os.environ.get("RANK", "0")) == 0:

@@ -117,6 +117,8 @@ def _train(options: LauncherOptions, args: Any, data_path: list[str]) -> None:
     try:
         eval_steps = session.eval_reader.num_steps if session.eval_reader is not None else None
         problems += flags.eval_mismatches(a, options.eval_plan, eval_steps)
+        text_problems, tokenizer = flags.text_tokenizer(a, session.header, source=options.plan)
+        problems += text_problems
         dataset = options.dataset
         if data_path:
             try:
@@ -125,7 +127,7 @@ def _train(options: LauncherOptions, args: Any, data_path: list[str]) -> None:
                 problems.append(str(e))
         if problems:
             _exit(problems)
-        session.open_sources(dataset, options.eval_dataset)
+        session.open_sources(dataset, options.eval_dataset, tokenizer=tokenizer)
         source = session.source
         assert source is not None
         device = torch.device("cpu")

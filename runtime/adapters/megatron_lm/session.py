@@ -77,12 +77,18 @@ class PlanSession:
     def header(self) -> Any:
         return self.reader.header
 
-    def open_sources(self, dataset: Sequence[str], eval_dataset: Sequence[str] = ()) -> None:
-        """Open the plans' datasets (fingerprints checked: ``open_plan_source``)."""
-        self.source = open_plan_source(self.reader, tuple(dataset) or _files(self.reader))
+    def open_sources(self, dataset: Sequence[str], eval_dataset: Sequence[str] = (), *,
+                     tokenizer: str | None = None) -> None:
+        """Open the plans' datasets (fingerprints checked: ``open_plan_source``); a text plan's
+        records are tokenized with its tokenizer, read from ``tokenizer`` when given (Megatron-
+        LM's ``--tokenizer-model``, checked by ``flags.text_tokenizer``)."""
+        self.source = open_plan_source(self.reader, tuple(dataset) or _files(self.reader),
+                                       tokenizer=tokenizer)
         if self.eval_reader is not None:
+            text = bool(self.eval_reader.header.dataset.tokenizer)
             self.eval_source = open_plan_source(
-                self.eval_reader, tuple(eval_dataset) or _files(self.eval_reader))
+                self.eval_reader, tuple(eval_dataset) or _files(self.eval_reader),
+                tokenizer=tokenizer if text else None)
 
     def attach(self, model: Sequence[nn.Module], *, device: torch.device, vocab_size: int,
                eval_iters: int) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from planner.sources.textenc import tokenizer_file
 from runtime.adapters.torchtitan.titan import IGNORE_INDEX, BaseDataLoader, BaseTokenizer
 from runtime.data.plan_reader import PlanReader
 from runtime.data.plan_source import open_plan_source
@@ -87,6 +88,30 @@ class PlanTokenizer(BaseTokenizer):
         return self.vocab_size
 
 
+def text_tokenizer(reader: PlanReader, configured: str | None,
+                   titan: BaseTokenizer | None) -> str | None:
+    """The tokenizer a text plan is read with: ``configured`` (the loader's
+    ``tokenizer_path``), else torchtitan's own tokenizer when it is a ``HuggingFaceTokenizer``
+    loaded from the plan's file (same sha256), else None (the path the plan records).
+
+    Raises:
+        ValueError: torchtitan's tokenizer is another file than the plan's: the model would be
+            trained on ids of one tokenizer and used with another's.
+    """
+    recorded = reader.header.dataset.tokenizer
+    own = getattr(titan, "tokenizer_path", None)  # HuggingFaceTokenizer keeps its folder
+    if not recorded or not own:
+        return configured  # torchtitan builds a tokenizer even for plans of token ids
+    f = tokenizer_file(own)
+    digest = hashlib.sha256(f.read_bytes()).hexdigest()
+    if digest != recorded.get("sha256"):
+        raise ValueError(f"{reader.path}: torchtitan's tokenizer {f} (hf_assets_path) is not the "
+                         f"one the plan was made with, {recorded.get('path')} (sha256 "
+                         f"{digest[:12]}, the plan's {str(recorded.get('sha256'))[:12]}): point "
+                         "hf_assets_path at the plan's tokenizer")
+    return configured or str(f)
+
+
 def _check_job(reader: PlanReader, dp_world_size: int, dp_rank: int) -> Topology:
     """This rank's topology; ValueError unless torchtitan's data-parallel world is the pool."""
     path, parallel = reader.path, reader.header.parallel
@@ -125,6 +150,10 @@ class PlanDataLoader(BaseDataLoader):
         field: str | None = None
         """Record field (JSONL) or column of the tokens; None: the one the plan was made with
         (its header's ``dataset.field``), which this overrides."""
+        tokenizer_path: str | None = None
+        """A text plan's ``tokenizer.json`` (or its folder) where it is not at the path the plan
+        records (the sha256 must match); None: torchtitan's own tokenizer when it is a
+        ``HuggingFaceTokenizer`` of the same file (``hf_assets_path``), else the recorded path."""
         timeout_seconds: float | None = None
         """Timeout of the plan's CP groups; None: ``PlanTrainer`` sets the trainer's
         ``comm.train_timeout_seconds`` (torch's default, 30 min for gloo, if built alone)."""
@@ -134,7 +163,7 @@ class PlanDataLoader(BaseDataLoader):
                  tokenizer: BaseTokenizer | None = None, seq_len: int = 0,
                  local_batch_size: int = 1, snapshot_every_n_steps: int | None = None,
                  catalog: GroupCatalog | None = None) -> None:
-        del tokenizer, seq_len, snapshot_every_n_steps  # the plan fixes the batches
+        del seq_len, snapshot_every_n_steps  # the plan fixes the batches
         if not config.plan or not (config.dataset or config.datasets):
             raise ValueError("PlanDataLoader.Config needs plan= and dataset=")
         if local_batch_size != 1:
@@ -144,8 +173,10 @@ class PlanDataLoader(BaseDataLoader):
         self.reader = PlanReader(config.plan)
         try:
             # Read as the planner counted (bad records skipped), lengths and content checked.
-            self.source = open_plan_source(self.reader, config.datasets or config.dataset,
-                                           field=config.field)
+            self.source = open_plan_source(
+                self.reader, config.datasets or config.dataset, field=config.field,
+                tokenizer=text_tokenizer(self.reader, config.tokenizer_path, tokenizer),
+                vocab_size=config.vocab_size)
         except BaseException:
             self.reader.close()
             raise

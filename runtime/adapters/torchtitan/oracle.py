@@ -53,14 +53,17 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig) -> TrainResult:
                          "--resume): run the whole range of steps instead")
     device = resolve_device(cfg)
     reader = PlanReader(cfg.plan)
-    source = open_plan_source(reader, cfg.dataset_paths, field=cfg.field)
+    source = open_plan_source(reader, cfg.dataset_paths, field=cfg.field,
+                              tokenizer=cfg.tokenizer, vocab_size=model_config.vocab_size)
     evaluation: tuple[PlanReader, TokenSource] | None = None
     if cfg.eval_plan:
         # The same refusals as the replayed run: the oracle evaluates what it would evaluate.
         eval_reader = PlanReader(cfg.eval_plan)
         check_eval_layout(eval_reader.header, reader.header, eval_source=cfg.eval_plan,
                           train_source=cfg.plan)
-        eval_source = open_plan_source(eval_reader, cfg.eval_dataset, field=cfg.eval_field)
+        eval_source = open_plan_source(eval_reader, cfg.eval_dataset, field=cfg.eval_field,
+                                       tokenizer=cfg.eval_tokenizer(eval_reader.header),
+                                       vocab_size=model_config.vocab_size)
         evaluation = (eval_reader, eval_source)
     config = llama3_config(model_config, max_seq_len=max_seq_len(reader))
     model = build_llama3(config, seed=cfg.seed).to(device)
@@ -135,7 +138,7 @@ def reference_of_config(config: PlanTrainer.Config, *, steps: int = 0) -> TrainR
         raise ValueError("the oracle needs --seed (the trainer's weights) and a model")
     evaluates = isinstance(validator, PlanValidator.Config) and validator.enable
     cfg = TrainConfig(plan=loader.plan, dataset=loader.dataset, datasets=tuple(loader.datasets),
-                      field=loader.field, quiet=True)
+                      field=loader.field, tokenizer=loader.tokenizer_path, quiet=True)
     model = build_llama3(config.model_spec.model, seed=config.seed)
     optimizer = _adamw(model, config)
     base_lr = float(optimizer.param_groups[0]["lr"])
@@ -145,7 +148,8 @@ def reference_of_config(config: PlanTrainer.Config, *, steps: int = 0) -> TrainR
     result = TrainResult()
     with ExitStack() as stack:
         reader = stack.enter_context(PlanReader(loader.plan))
-        source = open_plan_source(reader, cfg.dataset_paths, field=cfg.field)
+        source = open_plan_source(reader, cfg.dataset_paths, field=cfg.field,
+                                  tokenizer=cfg.tokenizer, vocab_size=vocab)
         if evaluates:
             eval_reader = stack.enter_context(PlanReader(validator.plan))
             eval_source = open_plan_source(eval_reader, validator.dataset, field=validator.field)

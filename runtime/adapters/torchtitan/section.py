@@ -14,7 +14,10 @@ what the plan fixes and refuses a flag that says otherwise, naming both values:
 - ``parallelism``: data parallel over the plan's whole pool (replicate x shard = pool), no
   torchtitan context / tensor / pipeline / expert parallelism (the plan's CP groups replace
   its fixed "cp" mesh dimension);
-- ``dataloader`` / ``tokenizer``: the plan's microbatches of a pre-tokenized dataset;
+- ``dataloader`` / ``tokenizer``: the plan's microbatches of a pre-tokenized dataset; for a plan
+  of text, its records tokenized with the plan's tokenizer, read from ``--plan.tokenizer`` or
+  torchtitan's own ``hf_assets_path`` when that holds the plan's ``tokenizer.json`` (another
+  ``tokenizer.json`` there is refused);
 - ``validator``: an eval plan (``--plan.eval_path``) through torchtitan's validation hook, every
   ``validator.freq`` steps and after the last, its first ``validator.steps`` steps (-1: all).
 
@@ -26,9 +29,12 @@ with ``dataclasses.replace``).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, TypeVar
 
+from planner.sources.textenc import tokenizer_file
 from runtime.adapters.torchtitan.data import PlanDataLoader, PlanTokenizer
 from runtime.adapters.torchtitan.validate import PlanValidator
 from runtime.data.plan_reader import PlanReader
@@ -56,6 +62,10 @@ class PlanSection:
     ``validator.freq`` steps and after the last."""
     eval_dataset: str = ""
     """The eval plan's dataset; empty: ``dataset``."""
+    tokenizer: str = ""
+    """A text plan's ``tokenizer.json`` (or its folder) where it is not at the recorded path
+    (same sha256); empty: torchtitan's ``hf_assets_path`` when it holds the plan's
+    ``tokenizer.json``, else the recorded path."""
 
 
 def max_seq_len(reader: PlanReader) -> int:
@@ -120,7 +130,25 @@ def _check_training(training: Any, seq_len: int, num_steps: int, path: str) -> N
                       f"{path} holds {num_steps} steps (leave it out for all of them)")
 
 
-def _data(config: Any, section: PlanSection) -> None:
+def _text_tokenizer(config: Any, section: PlanSection, recorded: dict[str, Any]) -> str | None:
+    """Where a text plan's tokenizer is read from: ``--plan.tokenizer``, else torchtitan's
+    ``hf_assets_path`` when it holds a ``tokenizer.json`` (it must be the plan's), else None."""
+    if section.tokenizer:
+        return section.tokenizer
+    assets = str(getattr(config, "hf_assets_path", "") or "")
+    if not assets or not (Path(assets).is_file() or (Path(assets) / "tokenizer.json").is_file()):
+        return None
+    f = tokenizer_file(assets)
+    digest = hashlib.sha256(f.read_bytes()).hexdigest()
+    if digest != recorded.get("sha256"):
+        raise _refuse("hf_assets_path", assets,
+                      f"holds another tokenizer.json (sha256 {digest[:12]}) than the one "
+                      f"{section.path} was made with, {recorded.get('path')} (sha256 "
+                      f"{str(recorded.get('sha256'))[:12]})")
+    return str(f)
+
+
+def _data(config: Any, section: PlanSection, recorded: dict[str, Any]) -> None:
     loader = recast(PlanDataLoader.Config, config.dataloader)
     for name, value in (("plan", section.path), ("dataset", section.dataset),
                         ("field", section.field)):
@@ -132,6 +160,9 @@ def _data(config: Any, section: PlanSection) -> None:
     if not loader.dataset and not loader.datasets:
         raise ValueError(f"--plan.path {section.path}: --plan.dataset DATA is required (the "
                          "pre-tokenized dataset the plan was made for)")
+    if recorded:
+        loader.tokenizer_path = loader.tokenizer_path or _text_tokenizer(config, section,
+                                                                         recorded)
     config.dataloader = loader
     config.tokenizer = recast(PlanTokenizer.Config, config.tokenizer)
 
@@ -161,9 +192,10 @@ def apply_plan(config: Any) -> None:
         with PlanReader(section.path) as reader:
             seq_len, num_steps = max_seq_len(reader), reader.num_steps
             pool = reader.header.parallel.pool_size
+            recorded = dict(reader.header.dataset.tokenizer)
     except (OSError, ValueError) as e:
         raise ValueError(f"--plan.path {section.path}: {e}") from None
     _check_parallelism(config.parallelism, pool, section.path)
     _check_training(config.training, seq_len, num_steps, section.path)
-    _data(config, section)
+    _data(config, section, recorded)
     _validator(config, section)

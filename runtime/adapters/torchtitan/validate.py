@@ -75,8 +75,11 @@ class PlanValidator(Validator):
         Collective (``EvalSchedule`` checks that every rank built the same pass).
         """
         self.reader = PlanReader(self.config.plan)
-        self.source = open_plan_source(self.reader, self.config.dataset,
-                                       field=self.config.field)
+        text = bool(self.reader.header.dataset.tokenizer)
+        self.source = open_plan_source(
+            self.reader, self.config.dataset, field=self.config.field,
+            tokenizer=loader.config.tokenizer_path if text else None,
+            vocab_size=loader.config.vocab_size)
         check_eval_layout(self.reader.header, loader.reader.header,
                           eval_source=self.config.plan, train_source=loader.config.plan)
         self.schedule = EvalSchedule(self.reader, self.source, loader.topology, loader.catalog,

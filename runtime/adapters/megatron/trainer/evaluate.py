@@ -53,7 +53,9 @@ class MegatronEvaluator:
                  mtp_depth: int = 0) -> None:
         self.reader = PlanReader(cfg.eval_plan)
         try:
-            self.source = open_plan_source(self.reader, cfg.eval_dataset, field=cfg.eval_field)
+            self.source = open_plan_source(self.reader, cfg.eval_dataset, field=cfg.eval_field,
+                                           tokenizer=cfg.eval_tokenizer(self.reader.header),
+                                           vocab_size=vocab_size)
         except BaseException:
             self.reader.close()
             raise

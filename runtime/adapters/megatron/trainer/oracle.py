@@ -49,7 +49,8 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
     device = resolve_device(cfg)
     install(device)
     reader = PlanReader(cfg.plan)
-    source = open_plan_source(reader, cfg.dataset_paths, field=cfg.field)
+    source = open_plan_source(reader, cfg.dataset_paths, field=cfg.field,
+                              tokenizer=cfg.tokenizer, vocab_size=model_config.vocab_size)
     try:
         header = reader.header
         par = ModelParallel(dtype=DTYPES[cfg.dtype])
@@ -65,7 +66,10 @@ def train_reference(cfg: TrainConfig, model_config: GPTConfig, *,
             eval_reader = PlanReader(cfg.eval_plan)
             check_eval_layout(eval_reader.header, header, eval_source=cfg.eval_plan,
                               train_source=cfg.plan)
-            eval_source = open_plan_source(eval_reader, cfg.eval_dataset, field=cfg.eval_field)
+            eval_source = open_plan_source(
+                eval_reader, cfg.eval_dataset, field=cfg.eval_field,
+                tokenizer=cfg.eval_tokenizer(eval_reader.header),
+                vocab_size=model_config.vocab_size)
         logger = StepLogger(cfg, enabled=True)
         result = TrainResult()
         try:

@@ -84,7 +84,7 @@ class MegatronTrainer:
                            device=resolve_device(cfg), dtype=cfg.dtype, groups=groups,
                            field=cfg.field, timeout_minutes=cfg.distributed_timeout_minutes,
                            seed=cfg.seed, vocab_size=model_config.vocab_size,
-                           attention=ATTENTION_SPECS[cfg.attention])
+                           attention=ATTENTION_SPECS[cfg.attention], tokenizer=cfg.tokenizer)
         try:
             self._build(cfg, model_config, options)
         except BaseException:
