@@ -40,6 +40,7 @@ from planner.cli.guard import (
     input_files,
     print_notice,
 )
+from planner.cli.textargs import add_tokenizer_arguments, encoder_from_args
 from planner.config import (
     EFFORTS,
     LONG_SEQUENCE_POLICIES,
@@ -160,6 +161,10 @@ def _plan_parser() -> argparse.ArgumentParser:
                      help="take more microbatches than the fewest that fit only when that is "
                      "faster by more than F (relative); larger F gives fuller slots")
     add_engine_arguments(sol)
+    add_tokenizer_arguments(p, required=False)
+    p.add_argument("--no-lengths-cache", action="store_true",
+                   help="with --tokenizer: tokenize every file now, neither reading nor writing "
+                   "the token-count caches (FILE.<key>.dcplen) kept beside the dataset")
     out = p.add_argument_group("output")
     add_json_arguments(out)
     out.add_argument("--quiet", action="store_true", help="no summary and no progress bar")
@@ -193,6 +198,12 @@ def cmd_plan(argv: list[str]) -> int:
         except ValueError as e:
             parser.error(str(e))
     engine = engine_settings(parser, args)  # before reading: Ray there if asked for
+    encoder = encoder_from_args(parser, args)
+    if encoder is not None and args.fingerprint == "content":
+        parser.error("--fingerprint content hashes token ids, which a text corpus does not "
+                     "hold: tokenize it once (dcp-plan tokenize DATA --tokenizer PATH -o "
+                     "PREFIX) and plan PREFIX with --fingerprint content; a text plan records "
+                     "the tokenizer's sha256 and the lengths fingerprint of its token counts")
     from planner.cli.progress import Progress
     from planner.cli.summary import format_summary, plan_summary
     from planner.cost import load_cost_model
@@ -200,6 +211,7 @@ def cmd_plan(argv: list[str]) -> int:
     from planner.planfile.io import write_plan_stream
     from planner.planfile.schema import PlanHeader
     from planner.sources.lengths import read_lengths
+    from planner.sources.text import text_notice, text_unit
 
     t0 = time.perf_counter()
     parallel = ParallelConfig(dp=args.dp, cp=args.cp, tp=args.tp, pp=args.pp, vpp=args.vpp,
@@ -223,9 +235,13 @@ def cmd_plan(argv: list[str]) -> int:
     check_outputs(out, args.summary_json, input_files(items, args.cost_model),
                   overwrite=args.overwrite)
     show = not (args.quiet or args.json)
-    with Progress("reading", unit="file", enabled=show and len(items) > 1) as bar:
+    with Progress("reading", unit="file", enabled=show and len(items) > 1 and not encoder
+                  ) as bar, Progress("tokenizing", unit=text_unit(items), enabled=show) as tok_bar:
         table = read_lengths(items, skip_bad_records=args.skip_bad_records, field=args.field,
-                             progress=bar, notice=print_notice)
+                             progress=bar, notice=print_notice, encoder=encoder,
+                             use_cache=not args.no_lengths_cache, text_progress=tok_bar)
+    if encoder is not None and not (args.quiet or args.json) and text_notice(table):
+        print_notice(text_notice(table))
     # Directories and globs expand to files only now: check those too.
     check_outputs(out, args.summary_json, input_files([f.path for f in table.files], ""),
                   overwrite=args.overwrite)

@@ -43,7 +43,8 @@ def plan_summary(header: PlanHeader, out: str | Path, phases: dict[str, float]) 
                     "num_tokens": d.num_tokens, "fingerprint": d.fingerprint, "files": files,
                     **({"content_fingerprint": d.content_fingerprint}
                        if d.content_fingerprint else {}),
-                    **({"field": d.field} if d.field else {})},
+                    **({"field": d.field} if d.field else {}),
+                    **({"tokenizer": dict(d.tokenizer)} if d.tokenizer else {})},
         "parallel": {"dp": p.dp, "cp": p.cp, "tp": p.tp, "pp": p.pp, "vpp": p.vpp,
                      "sequence_parallel": p.sequence_parallel, "pool_size": p.pool_size,
                      "microbatch_group_size": p.microbatch_group_size},
@@ -146,6 +147,10 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"dataset   {d['path']}: {d['num_samples']:,} samples, {d['num_tokens']:,} tokens "
         f"({d['format']}" + (f", field {d['field']!r}" if d.get("field") else "") + ")",
     ]
+    if d.get("tokenizer"):
+        from planner.sources.textenc import TokenizerSpec
+
+        lines.append(f"tokenizer {TokenizerSpec.from_dict(d['tokenizer']).policy_text()}")
     if len(d["files"]) > 1:
         for f in d["files"]:
             lines.append(f"  file    {f['path']}: {f['num_samples']:,} samples, "

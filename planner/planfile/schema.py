@@ -9,6 +9,7 @@ read every version in ``READABLE_VERSIONS`` (version 1 has no ``kind``: it reads
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Sequence
@@ -67,6 +68,11 @@ class DatasetInfo:
     """Format 2, ``dcp-plan --field NAME``: the record field (JSONL) or column (Parquet, Arrow)
     the lengths, and so the runtime's tokens, were read from; empty (and absent from the JSON):
     the default fields (``input_ids``, ``tokens``, ...)."""
+    # dataclasses.field: the name ``field`` is this class's attribute above.
+    tokenizer: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Format 2, a text corpus (``dcp-plan --tokenizer``): the tokenizer the lengths were
+    counted with (``planner.sources.textenc.TokenizerSpec.to_dict()``: path, sha256,
+    vocab_size, bos, append_eod, bos_id, eod_id); empty (and absent from the JSON): token ids."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -166,6 +172,8 @@ class PlanHeader:
             del d["dataset"]["content_fingerprint"]
         if not self.dataset.field:
             del d["dataset"]["field"]
+        if not self.dataset.tokenizer:
+            del d["dataset"]["tokenizer"]
         return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
     @classmethod

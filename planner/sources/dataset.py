@@ -33,8 +33,9 @@ __all__ = ["DataFile", "blend_counts", "expand_paths", "file_identity", "parse_d
            "plan_items"]
 
 _GLOB_CHARS = frozenset("*?[")
-INDEX_CACHE_SUFFIXES = (".dcpidx", ".dcptok")
-"""Files the runtime writes beside a dataset (index caches): never dataset files."""
+INDEX_CACHE_SUFFIXES = (".dcpidx", ".dcptok", ".dcplen")
+"""Files the runtime and the planner write beside a dataset (index caches, text lengths
+caches): never dataset files."""
 PLAN_SUFFIXES = (".arrow", ".feather", ".ipc")
 """Names a dcp plan may have among dataset files (Arrow IPC): such a file is opened to tell."""
 
