@@ -57,7 +57,9 @@ USAGE = """dcp-plan [plan] DATASET... --dp D [--cp C] --max-tokens-per-rank CAP
        dcp-plan show PLAN [--steps A:B]       per-step table ('dcp-plan show --help')
        dcp-plan compare DATASET... --pools 8,16,64 --cp 2,4 --max-tokens-per-rank C,...
                                               compare setups ('dcp-plan compare --help')
-       dcp-plan report PLAN -o report.html   the plan as one HTML page"""
+       dcp-plan report PLAN -o report.html   the plan as one HTML page
+       dcp-plan tokenize TEXT... --tokenizer PATH -o PREFIX
+                                              text into a Megatron dataset (PREFIX.bin/.idx)"""
 EPILOG = """\
 commands:
   plan       (the default) plan DATASET and write the plan file
@@ -65,11 +67,13 @@ commands:
   show       print a plan's per-step table, or every row of one step
   compare    which pool and capacity to ask for: setups side by side on one dataset
   report     a plan as one self-contained HTML page (gain, summary, per-step figures)
+  tokenize   a text corpus into a Megatron indexed dataset (PREFIX.bin, PREFIX.idx), once
 
 datasets:
   DATASET is one or more files, directories or (quoted) globs, in the order given; a directory's
   or glob's files in sorted path order. Formats: .jsonl (also .jsonl.gz, .jsonl.zst), .parquet,
-  .arrow, Megatron .idx/.bin (a prefix), .txt (one length per line). Megatron's --data-path takes
+  .arrow, Megatron .idx/.bin (a prefix), .txt (one length per line); text (a 'text' field or
+  column, as Hugging Face datasets hold) with --tokenizer PATH. Megatron's --data-path takes
   optional weights: '--data-path 0.3 a.jsonl 0.7 shards/' draws 30% / 70% of every global batch
   from each entry (deterministic counts per step).
 

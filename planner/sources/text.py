@@ -45,7 +45,8 @@ if TYPE_CHECKING:
     from planner.sources.textenc import TextEncoder
 
 __all__ = ["TEXT_FIELD", "TEXT_FORMATS", "TextBatch", "count_lengths", "encode_checked",
-           "iter_texts", "place_text", "progress_total", "text_notice", "text_unit"]
+           "iter_texts", "place_text", "plan_encoder", "progress_total", "text_notice",
+           "text_pieces", "text_unit"]
 
 TEXT_FIELD = "text"
 """The field (JSONL) or column (Parquet, Arrow) read when ``--field`` is not given."""
@@ -234,7 +235,7 @@ def iter_texts(path: str, fmt: str, field: str, bad: BadRecords) -> Iterator[Tex
                          "files with a string field)")
 
 
-def _pieces(texts: list[str]) -> Iterator[tuple[int, int]]:
+def text_pieces(texts: list[str]) -> Iterator[tuple[int, int]]:
     """(start, stop) slices of ``texts`` of about ``BATCH_CHARS`` characters each."""
     start = size = 0
     for i, t in enumerate(texts):
@@ -282,7 +283,7 @@ def count_lengths(path: str, fmt: str, field: str, encoder: TextEncoder, bad: Ba
     parts = [np.zeros(0, dtype=np.int64)]
     for batch in iter_texts(path, fmt, field, bad):
         out = np.zeros(batch.num_samples, dtype=np.int64)
-        for a, b in _pieces(batch.texts):
+        for a, b in text_pieces(batch.texts):
             counts, dropped = encode_checked(encoder.count, batch.texts[a:b], batch, a, path,
                                              fmt, bad)
             counts[dropped] = 0
