@@ -40,7 +40,7 @@ from planner.cli.guard import (
     input_files,
     print_notice,
 )
-from planner.cli.textargs import add_tokenizer_arguments, encoder_from_args
+from planner.cli.textargs import add_tokenizer_arguments, encoder_from_args, text_notice
 from planner.config import (
     EFFORTS,
     LONG_SEQUENCE_POLICIES,
@@ -215,7 +215,7 @@ def cmd_plan(argv: list[str]) -> int:
     from planner.planfile.io import write_plan_stream
     from planner.planfile.schema import PlanHeader
     from planner.sources.lengths import read_lengths
-    from planner.sources.text import text_notice, text_unit
+    from planner.sources.text import text_unit
 
     t0 = time.perf_counter()
     parallel = ParallelConfig(dp=args.dp, cp=args.cp, tp=args.tp, pp=args.pp, vpp=args.vpp,

@@ -16,9 +16,10 @@ import argparse
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from planner.sources.lengths import LengthTable
     from planner.sources.textenc import TextEncoder
 
-__all__ = ["add_tokenizer_arguments", "encoder_from_args"]
+__all__ = ["add_tokenizer_arguments", "encoder_from_args", "text_notice"]
 
 BOS_HELP = ("BOS policy: tokenizer (what the tokenizer.json's post-processor adds: Llama 3's "
             "<|begin_of_text|>, nothing for GPT-2), add (prepend --bos-token, else "
@@ -70,3 +71,17 @@ def encoder_from_args(parser: argparse.ArgumentParser,
 
     return load_encoder(args.tokenizer, bos=args.bos, append_eod=args.append_eod,
                         bos_token=args.bos_token, eod_token=args.eod_token)
+
+
+def text_notice(table: LengthTable) -> str:
+    """One line on a text corpus's read: files whose counts came from their caches, and the
+    documents with no tokens (kept as samples, never planned); empty when neither."""
+    parts = []
+    if table.cached_files:
+        parts.append(f"token counts of {table.cached_files} of {len(table.files)} files from "
+                     "their lengths caches (.dcplen: same content, tokenizer and policies)")
+    empty = int((table.lengths == 0).sum()) - len(table.skipped)
+    if empty:
+        parts.append(f"{empty:,} documents have no tokens (empty texts): they keep their "
+                     "sample indices and are not planned")
+    return "; ".join(parts)

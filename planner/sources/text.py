@@ -41,12 +41,11 @@ from planner.sources.formats import (
 )
 
 if TYPE_CHECKING:
-    from planner.sources.lengths import LengthTable
     from planner.sources.textenc import TextEncoder
 
 __all__ = ["TEXT_FIELD", "TEXT_FORMATS", "TextBatch", "count_lengths", "encode_checked",
-           "iter_texts", "place_text", "plan_encoder", "progress_total", "text_notice",
-           "text_pieces", "text_unit"]
+           "iter_texts", "place_text", "plan_encoder", "progress_total", "text_pieces",
+           "text_unit"]
 
 TEXT_FIELD = "text"
 """The field (JSONL) or column (Parquet, Arrow) read when ``--field`` is not given."""
@@ -318,20 +317,6 @@ def progress_total(path: str, fmt: str) -> int:
 def text_unit(items: list[str]) -> str:
     """The progress unit of tokenizing ``items``: bytes of JSONL, rows of columnar files."""
     return "B" if items and ".jsonl" in items[0].lower() else "row"
-
-
-def text_notice(table: LengthTable) -> str:
-    """One line on a text corpus's read: files whose counts came from their caches, and the
-    documents with no tokens (kept as samples, never planned); empty when neither."""
-    parts = []
-    if table.cached_files:
-        parts.append(f"token counts of {table.cached_files} of {len(table.files)} files from "
-                     "their lengths caches (.dcplen: same content, tokenizer and policies)")
-    empty = int(np.count_nonzero(table.lengths == 0)) - len(table.skipped)
-    if empty:
-        parts.append(f"{empty:,} documents have no tokens (empty texts): they keep their "
-                     "sample indices and are not planned")
-    return "; ".join(parts)
 
 
 def plan_encoder(tokenizer: dict[str, object], path: str | None = None,
