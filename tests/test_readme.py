@@ -127,6 +127,21 @@ def test_first_five_minutes_run_on_four_ranks(checkout: Path) -> None:
     assert "dcp-train: 2 steps (0-1), loss " in errors[0]
 
 
+def test_text_corpus_example_runs(checkout: Path) -> None:
+    pytest.importorskip("tokenizers")
+    from planner.planfile.io import PlanFile
+
+    out = run_bash(block("README.md", "A text corpus", "bash"), checkout)
+    assert "tokenizer data/text/tokenizer.json (sha256 " in out
+    assert "EOD 1 appended)" in out
+    assert "wrote     plans/sample-text.bin, plans/sample-text.idx: 400 documents" in out
+    # As the page says: both plans have the same samples' lengths.
+    with PlanFile(checkout / "plans" / "text.arrow") as a, \
+            PlanFile(checkout / "plans" / "text-ids.arrow") as b:
+        assert a.header.dataset.fingerprint == b.header.dataset.fingerprint
+        assert a.header.dataset.tokenizer["vocab_size"] == 512
+
+
 def test_planning_and_notebook_examples_run(checkout: Path) -> None:
     out = run_bash(block("docs/planning.md", "Making a plan", "bash"), checkout)
     # The summary's gain lines the page quotes are the ones this plan prints.
