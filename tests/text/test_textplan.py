@@ -177,7 +177,8 @@ def test_command_line_errors_are_one_line(tmp_path: Path, tok: Path,
     assert "dcp-plan tokenize" in capsys.readouterr().err
     # Without --tokenizer a text corpus is refused as before, with the way to plan it.
     assert main([str(data), *PLAN]) == 2
-    assert "the record holds text" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "the record holds text ('text'), not token ids: plan it with --tokenizer PATH" in err
 
 
 def test_the_lengths_cache_is_keyed_by_content(tmp_path: Path, tok: Path) -> None:
