@@ -133,7 +133,8 @@ class TextEncoder:
         """Each document's token count (what ``encode`` would return the length of)."""
         extra = (self.spec.bos == "add") + self.spec.append_eod
         enc = self._tok.encode_batch_fast(list(texts), add_special_tokens=self._special)
-        return np.fromiter((len(e.ids) + extra for e in enc), dtype=np.int64, count=len(enc))
+        # len(e), not len(e.ids): the count without building a list of ids (3% of the time).
+        return np.fromiter((len(e) + extra for e in enc), dtype=np.int64, count=len(enc))
 
 
 def load_encoder(path: str | Path, *, bos: str = "tokenizer", append_eod: bool = False,
