@@ -27,13 +27,16 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -41,6 +44,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 DEFAULT_SOURCE = "/usr/share/doc/python3/html/_sources"
+T = TypeVar("T")
 
 
 def build_corpus(source: Path, repeat: int, seed: int = 0) -> list[str]:
@@ -80,9 +84,9 @@ def write_formats(docs: list[str], folder: Path) -> dict[str, Path]:
     return {"jsonl": jsonl, "jsonl.zst": zst, "parquet": parquet}
 
 
-def timed(fn: object) -> tuple[float, object]:
+def timed(fn: Callable[[], T]) -> tuple[float, T]:
     t = time.perf_counter()
-    out = fn()  # type: ignore[operator]
+    out = fn()
     return time.perf_counter() - t, out
 
 
@@ -129,19 +133,18 @@ def main() -> None:
     parse_s, texts = timed(lambda: [t for b in iter_texts(str(files["jsonl"]), "jsonl", "text",
                                                           BadRecords(skip=False))
                                     for t in b.texts])
-    n_docs = len(texts)  # type: ignore[arg-type]
+    n_docs = len(texts)
     # In the readers' pieces (BATCH_CHARS each), as count_lengths calls it.
-    encode_s, counts = timed(lambda: [enc.count(texts[a:b])  # type: ignore[index]
-                                      for a, b in text_pieces(texts)])  # type: ignore[arg-type]
-    n_tok = int(sum(int(c.sum()) for c in counts))  # type: ignore[attr-defined, union-attr]
+    encode_s, counts = timed(lambda: [enc.count(texts[a:b]) for a, b in text_pieces(texts)])
+    n_tok = sum(int(c.sum()) for c in counts)
     rows += [("parse JSONL only", parse_s, n_docs, 0), ("tokenizer only", encode_s, n_docs, n_tok)]
     for name, path in files.items():
-        s, table = timed(lambda p=path: read_lengths(p, encoder=enc, use_cache=False))
-        assert int(table.lengths.sum()) == n_tok, name  # type: ignore[attr-defined]
+        s, table = timed(functools.partial(read_lengths, path, encoder=enc, use_cache=False))
+        assert int(table.lengths.sum()) == n_tok, name
         rows.append((f"plan read, {name}", s, n_docs, n_tok))
     read_lengths(files["jsonl"], encoder=enc)  # writes the cache
     s, table = timed(lambda: read_lengths(files["jsonl"], encoder=enc))
-    assert table.cached_files == 1  # type: ignore[attr-defined]
+    assert table.cached_files == 1
     rows.append(("plan read, jsonl, cached", s, n_docs, n_tok))
     for w in [int(x) for x in args.workers.split(",") if x]:
         s = _tokenize_in_child(args.tokenizer, files["jsonl"], folder / "mg", w)
