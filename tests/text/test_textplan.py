@@ -219,3 +219,13 @@ def test_the_lengths_cache_is_keyed_by_content(tmp_path: Path, tok: Path) -> Non
     assert read_lengths(data, encoder=enc).cached_files == 0
     assert read_lengths(data, encoder=enc).cached_files == 1
     assert len(list((tmp_path / "xdg" / "dcp-planner" / "lengths").glob("*.dcplen"))) == 1
+
+
+def test_compare_takes_a_text_corpus(tmp_path: Path, tok: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    data = _jsonl(tmp_path / "c.jsonl", texts(60))
+    assert main(["compare", str(data), "--tokenizer", str(tok), "--append-eod", "--pools", "2,4",
+                 "--max-tokens-per-rank", "512", "--global-batch-size", "8"]) == 0
+    out = capsys.readouterr().out
+    total = int(load_encoder(tok, append_eod=True).count(texts(60)).sum())
+    assert f"{data}: 60 samples, {total:,} tokens" in out
