@@ -9,11 +9,15 @@ pointer (int64), and the document indices (int64: document ``d`` is sequences
 indices are ``0..n``. The token dtype is Megatron's choice for the vocabulary
 (``DType.optimal_dtype``): uint16 below 65,500 ids, else int32.
 
-Written without megatron-core (``planner/`` imports no torch): ``tests/text`` reads the files back
-with megatron-core's own ``IndexedDataset``, token for token. Atomic: both files go to
-temporaries beside their targets and are renamed ``.bin`` first, ``.idx`` last (the index is
-what makes a dataset, as a versioned index written last), so an interrupted write leaves the
-old dataset or none, never a half. Memory holds the per-document lengths only (12 bytes each);
+Written without megatron-core (``planner/`` imports no torch, and megatron-core stays in one
+module of the runtime): ``tests/text`` reads the files back with megatron-core's own
+``IndexedDataset``, token for token, and finds them byte for byte what its
+``IndexedDatasetBuilder`` writes for the same documents. Atomic: both files go to temporaries
+beside their targets, are fsynced, and are renamed ``.bin`` first, ``.idx`` last (the index is
+what makes a dataset, as a versioned index written last): an interrupted or failed write leaves
+the old dataset or none and no temporary. (Only a crash in the instant between the two renames
+of an ``--overwrite`` leaves the new ``.bin`` under the old ``.idx``; ``read_megatron`` refuses
+a ``.bin`` shorter than its index.) Memory holds the per-document lengths only (8 bytes each);
 tokens stream to the temporary ``.bin``.
 """
 

@@ -46,6 +46,14 @@ def test_megatron_core_reads_the_dataset_token_for_token(
     assert ds.document_indices.tolist() == list(range(len(want) + 1))
     for i, ids in enumerate(want):
         assert ds[i].tolist() == ids.tolist()
+    # Byte for byte what megatron-core's own IndexedDatasetBuilder writes for these documents.
+    theirs = tmp_path / "theirs"
+    builder = indexed.IndexedDatasetBuilder(f"{theirs}.bin", dtype=np.uint16)
+    for ids in want:
+        builder.add_document(ids, [len(ids)])
+    builder.finalize(f"{theirs}.idx")
+    for ext in (".bin", ".idx"):
+        assert Path(f"{prefix}{ext}").read_bytes() == Path(f"{theirs}{ext}").read_bytes(), ext
     # The dataset plans as the text does (the empty document aside).
     text_lengths = read_lengths(data, encoder=enc).lengths
     assert read_lengths(prefix).lengths.tolist() == text_lengths[text_lengths > 0].tolist()
