@@ -229,3 +229,23 @@ def test_compare_takes_a_text_corpus(tmp_path: Path, tok: Path,
     out = capsys.readouterr().out
     total = int(load_encoder(tok, append_eod=True).count(texts(60)).sum())
     assert f"{data}: 60 samples, {total:,} tokens" in out
+
+
+def test_a_hugging_face_dataset_as_saved_or_exported_plans(tmp_path: Path, tok: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    docs = texts(120, seed=9)
+    ds = datasets.Dataset.from_dict({"id": list(range(len(docs))), "text": docs})
+    ds.save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": ds}).save_to_disk(str(tmp_path / "dict"))
+    ds.to_parquet(str(tmp_path / "train.parquet"))
+    enc = load_encoder(tok, append_eod=True)
+    want = _want(enc, docs)
+    notices: list[str] = []  # its metadata files are not data, and not worth a notice
+    got = read_lengths(tmp_path / "saved", encoder=enc, notice=notices.append)
+    assert notices == []
+    assert got.lengths.tolist() == want
+    assert [Path(f.path).suffix for f in got.files] == [".arrow"]
+    assert read_lengths(tmp_path / "dict" / "train", encoder=enc).lengths.tolist() == want
+    assert read_lengths(tmp_path / "train.parquet", encoder=enc).lengths.tolist() == want
+    with pytest.raises(ValueError, match="a Hugging Face DatasetDict .* give one split's folder"):
+        read_lengths(tmp_path / "dict", encoder=enc)
