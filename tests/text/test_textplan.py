@@ -70,6 +70,13 @@ def test_jsonl_counts_are_the_encoders_and_the_plan_records_the_tokenizer(
     assert f"tokenizer: {enc.spec.policy_text()}; field 'text'" in shown
     assert main(["validate", str(out), str(data)]) == 0
     assert "dataset coverage" in capsys.readouterr().out
+    # A tokenizer moved since planning: named, and found again with --tokenizer.
+    moved = tmp_path / "moved"
+    tok.rename(moved)
+    assert main(["validate", str(out), str(data)]) == 2
+    assert "give its new place with --tokenizer PATH" in capsys.readouterr().err
+    assert main(["validate", str(out), str(data), "--tokenizer", str(moved)]) == 0
+    capsys.readouterr()
     # Another tokenizer than the plan's is refused by validate, naming the difference.
     other = train_bpe(tmp_path / "other", vocab_size=280).parent
     assert main(["validate", str(out), str(data), "--tokenizer", str(other)]) == 2
