@@ -4,7 +4,7 @@ A text corpus (a Hugging Face dataset, a scraped corpus) is planned by its token
 tokenizer (``planner.sources.textenc``): sample ``i`` is the ``i``-th record (a JSONL line that
 is not blank, a Parquet or Arrow row), its length ``len(TextEncoder.encode([text])[0])``. Readers
 here yield the texts in batches (``TextBatch``); ``count_lengths`` tokenizes them for the
-planner, ``planner.sources.tokenize`` for a Megatron dataset.
+planner, ``planner.sources.pretokenize`` for a Megatron dataset.
 
 What is a bad record (ValueError naming the file and line or row, or with ``skip_bad_records``
 length 0 and listed as skipped): a line that is not JSON or not an object, a missing or null
@@ -105,16 +105,10 @@ def _record_text(line: str, field: str) -> tuple[str | None, str]:
     return None, f"{field!r} is {type(value).__name__}, not a string of text"
 
 
-def _utf8_problem(raw: bytes) -> tuple[int, str]:
-    """(line offset within ``raw``, problem) of the first bytes of ``raw`` that are not UTF-8."""
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line_start = raw.rfind(b"\n", 0, e.start) + 1
-        return (raw.count(b"\n", 0, e.start),
-                f"not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start - line_start + 1} "
-                "of the line); re-encode the file as UTF-8 (iconv -f LATIN1 -t UTF-8, say)")
-    raise AssertionError("decodable")  # pragma: no cover - only called on a decode failure
+def _utf8_problem(e: UnicodeDecodeError) -> str:
+    """What is wrong with a line that ``e`` failed to decode (its first bad byte)."""
+    return (f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at byte {e.start + 1} of the "
+            "line); re-encode the file as UTF-8 (iconv -f LATIN1 -t UTF-8, say)")
 
 
 def _jsonl_texts(path: str, field: str, bad: BadRecords) -> Iterator[TextBatch]:
@@ -133,8 +127,8 @@ def _jsonl_texts(path: str, field: str, bad: BadRecords) -> Iterator[TextBatch]:
             for j, piece in enumerate(raw.split(b"\n")[:-1]):
                 try:
                     lines.append(piece.decode("utf-8"))
-                except UnicodeDecodeError:
-                    broken[j] = _utf8_problem(piece + b"\n")[1]
+                except UnicodeDecodeError as e:
+                    broken[j] = _utf8_problem(e)
                     lines.append("x")  # a record: it takes a sample index
         sample0 = sample
         texts, samples, places = [], [], []
