@@ -232,7 +232,7 @@ def test_every_output_the_pages_name_is_ignored() -> None:
         named += re.findall(rf"(?:^|\s){flags}[ =]([\w./-]+)", text, re.M)
         named += re.findall(r"savefig\(\"([^\"]+)\"\)", text)
         named += re.findall(r"^`(my_\w+\.py)`:$", text, re.M)
-    outputs = sorted({n for n in named if not n.startswith(("FILE", "DIR", "PATH"))})
+    outputs = sorted({n for n in named if not n.startswith(("FILE", "DIR", "PATH", "PREFIX"))})
     assert {"plans/mine.arrow", "runs/ckpt", "runs/train.jsonl", "plans/setups.png",
             "plans/sample-report.html", "plans/cp-mix.png", "my_torchtitan_job.py",
             "my_megatron_job.py", "runs/moe.jsonl"} <= set(outputs)
