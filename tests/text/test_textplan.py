@@ -180,6 +180,12 @@ def test_command_line_errors_are_one_line(tmp_path: Path, tok: Path,
         main([str(data), "--append-eod", *PLAN])
     assert "give --tokenizer PATH too" in capsys.readouterr().err
     with pytest.raises(SystemExit):
+        main([str(data), "--tokenizer", str(tok), "--bos-token", "<s>", *PLAN])
+    assert "give --bos add with it" in capsys.readouterr().err
+    assert main([str(data), "--tokenizer", str(tok), "--bos", "add", "--bos-token", "<x>",
+                 *PLAN]) == 2
+    assert "'<x>' (--bos add) is not in its vocabulary" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         main([str(data), "--tokenizer", str(tok), "--fingerprint", "content", *PLAN])
     assert "dcp-plan tokenize" in capsys.readouterr().err
     # Without --tokenizer a text corpus is refused as before, with the way to plan it.
