@@ -38,8 +38,8 @@ from planner.config import ParallelConfig, PlannerConfig
 from planner.cost import load_cost_model
 from planner.plan import make_plan
 from planner.planfile.io import write_plan
-from planner.sources.formats import write_megatron_dataset
 from planner.sources.lengths import LengthTable
+from planner.sources.megatron import write_megatron_dataset
 from runtime.data.batch import build_microbatch
 from runtime.data.plan_reader import PlanReader
 from runtime.data.tokens import ArrayTokens, TokenSource, open_token_source

@@ -13,7 +13,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from planner import numbacache
 from planner.lazy import lazy_exports
+
+# Before any kernel module is imported: the kernels cache per user, never in the install tree
+# (planner/numbacache.py). Imports no numba.
+numbacache.prepare()
 
 _EXPORTS = {
     "FORMAT_VERSION": "planner.planfile.schema",

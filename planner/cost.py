@@ -31,12 +31,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import numba
 import numpy as np
 from numpy.typing import NDArray
 
 from planner.fileguard import check_input
 from planner.groups import pad_multiple
+from planner.jit import kernel
 from planner.provenance import of_document
 
 PRESET_DIR = Path(__file__).with_name("presets")
@@ -177,7 +177,7 @@ def load_cost_model(name_or_path: str = "default") -> CostModel:
     return replace(model, provenance=origin)
 
 
-@numba.njit(cache=True)
+@kernel
 def _group_time(c: NDArray[np.float64], k: int, s1: float, s2: float) -> float:
     t: float = (c[0] * s1 + c[1] * s2) / k + c[4]
     if k > 1:
@@ -185,7 +185,7 @@ def _group_time(c: NDArray[np.float64], k: int, s1: float, s2: float) -> float:
     return t
 
 
-@numba.njit(cache=True)
+@kernel
 def _simulate(c: NDArray[np.float64], pool_size: int, mb: NDArray[np.int32],
               start: NDArray[np.int32], k: NDArray[np.int32], padded: NDArray[np.int32]
               ) -> tuple[float, float]:
@@ -217,7 +217,7 @@ def _simulate(c: NDArray[np.float64], pool_size: int, mb: NDArray[np.int32],
     return finish.max(), busy
 
 
-@numba.njit(cache=True)
+@kernel
 def _terms(c: NDArray[np.float64], pool_size: int, mb: NDArray[np.int64],
            start: NDArray[np.int64], k: NDArray[np.int64], padded: NDArray[np.int64],
            real: NDArray[np.int64]) -> NDArray[np.float64]:
@@ -290,7 +290,7 @@ def simulate_step(cost: CostModel, pool_size: int, microbatch: NDArray[np.intege
     return float(t)
 
 
-@numba.njit(cache=True)
+@kernel
 def _cheapest(lengths: NDArray[np.int64], sizes: NDArray[np.int64], mults: NDArray[np.int64],
               capacity: int, c: NDArray[np.float64]) -> tuple[NDArray[np.float64],
                                                              NDArray[np.float64]]:

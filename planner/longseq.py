@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 from numpy.typing import NDArray
 
 from planner.config import PlannerConfig
 from planner.groups import MAX_SEGMENT_TOKENS, pad_multiple
+from planner.jit import kernel
 from planner.planfile.stats import min_padded
 
 
@@ -111,7 +111,7 @@ def segments(order: NDArray[np.int64], policy: LongPolicyResult) -> tuple[
     return _expand(order, policy.tokens, policy.split, max(policy.segment_tokens, 1))
 
 
-@numba.njit(cache=True)
+@kernel
 def _expand(order: NDArray[np.int64], tokens: NDArray[np.int64], split: NDArray[np.bool_],
             seg: int) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64],
                                NDArray[np.int64]]:

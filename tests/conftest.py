@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import settings
 
@@ -12,6 +14,11 @@ from tests import progress
 # and these properties are about results, not speed (speed is measured in bench/).
 settings.register_profile("dcp", deadline=None)
 settings.load_profile("dcp")
+
+# The planner's kernels compiled on their first call, in this process and every process a test
+# starts: the suite tests the compiled kernels (auto mode would run most small tests' kernels as
+# Python). tests/planner/test_jit.py compares the modes and runs auto where it is the subject.
+os.environ.setdefault("DCP_PLANNER_JIT", "always")
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's terminal reporter exists

@@ -142,6 +142,22 @@ def test_text_corpus_example_runs(checkout: Path) -> None:
         assert a.header.dataset.tokenizer["vocab_size"] == 512
 
 
+def test_megatron_data_example_plans_documents_and_sequences(checkout: Path) -> None:
+    # The .bin/.idx example: Megatron-core's builder writes 3 sequences per document; the
+    # summary lines the README quotes are printed, and each plan holds its unit's samples.
+    from runtime.data.plan_reader import PlanReader
+
+    pytest.importorskip("megatron.core")
+    heading = "Megatron data (`.bin`/`.idx`)"
+    out = run_bash(block("README.md", heading, "bash"), checkout)
+    quoted = block("README.md", heading, "").strip().splitlines()
+    assert set(quoted) <= set(out.splitlines()), (quoted, out)
+    for name, unit, samples in (("docs", "document", 667), ("seqs", "sequence", 2000)):
+        with PlanReader(checkout / "plans" / f"sample-{name}.arrow") as reader:
+            dataset = reader.header.dataset
+            assert (dataset.megatron_unit, dataset.num_samples) == (unit, samples)
+
+
 def test_planning_and_notebook_examples_run(checkout: Path) -> None:
     out = run_bash(block("docs/planning.md", "Making a plan", "bash"), checkout)
     # The summary's gain lines the page quotes are the ones this plan prints.

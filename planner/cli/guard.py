@@ -110,8 +110,9 @@ def interrupting_signal(e: BaseException) -> int | None:
 
 
 def add_dataset_arguments(p: argparse.ArgumentParser, *, required: bool) -> None:
-    """DATASET..., ``--data-path``, ``--skip-bad-records`` and ``--field``: for planning
-    (``required``) or for checking a plan's coverage (``validate``)."""
+    """DATASET..., ``--data-path``, ``--skip-bad-records``, ``--field`` (and, for planning,
+    ``--megatron-unit``): for planning (``required``) or for checking a plan's coverage
+    (``validate``)."""
     p.add_argument("dataset", nargs="*", metavar="DATASET",
                    help="dataset files, directories or quoted globs, in order (see below)"
                    if required else "the plan's dataset, as given to dcp-plan: also check "
@@ -129,6 +130,12 @@ def add_dataset_arguments(p: argparse.ArgumentParser, *, required: bool) -> None
                    if required else "record field or column to read (default: the one the "
                    "plan was made with, its header's dataset.field); give it only for a "
                    "dataset whose field was renamed since planning: it is read, with a notice")
+    if required:  # validate reads the unit the plan recorded (dataset.megatron_unit)
+        p.add_argument("--megatron-unit", choices=("document", "sequence"), default="document",
+                       help="what a sample of a Megatron .bin/.idx is: a document (its "
+                       "sequences' tokens, concatenated: data preprocessed with "
+                       "--split-sentences has a sequence per sentence) or one sequence (what "
+                       "Megatron-core's GPTDataset samples); the plan records it")
 
 
 def print_notice(message: str) -> None:

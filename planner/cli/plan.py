@@ -208,8 +208,9 @@ def cmd_plan(argv: list[str]) -> int:
                      "hold: tokenize it once (dcp-plan tokenize DATA --tokenizer PATH -o "
                      "PREFIX) and plan PREFIX with --fingerprint content; a text plan records "
                      "the tokenizer's sha256 and the lengths fingerprint of its token counts")
+    from planner import numbacache
     from planner.cli.progress import Progress
-    from planner.cli.summary import format_summary, plan_summary
+    from planner.cli.summary import Compiles, format_summary, plan_summary
     from planner.cost import load_cost_model
     from planner.plan import PlanStream
     from planner.planfile.io import write_plan_stream
@@ -218,6 +219,9 @@ def cmd_plan(argv: list[str]) -> int:
     from planner.sources.text import text_unit
 
     t0 = time.perf_counter()
+    # This process's numba compiles at each phase's end (planner/numbacache.py): the summary
+    # reports them apart and counts none in the phases or the speed.
+    compiled = {"start": numbacache.compile_totals()}
     parallel = ParallelConfig(dp=args.dp, cp=args.cp, tp=args.tp, pp=args.pp, vpp=args.vpp,
                               sequence_parallel=args.sequence_parallel,
                               microbatch_group_size=args.microbatch_group_size)
@@ -242,27 +246,33 @@ def cmd_plan(argv: list[str]) -> int:
     with Progress("reading", unit="file", enabled=show and len(items) > 1 and not encoder
                   ) as bar, Progress("tokenizing", unit=text_unit(items), enabled=show) as tok_bar:
         table = read_lengths(items, skip_bad_records=args.skip_bad_records, field=args.field,
-                             progress=bar, notice=print_notice, encoder=encoder,
-                             use_cache=not args.no_lengths_cache, text_progress=tok_bar)
+                             progress=bar, notice=print_notice, megatron_unit=args.megatron_unit,
+                             encoder=encoder, use_cache=not args.no_lengths_cache,
+                             text_progress=tok_bar)
     if encoder is not None and not (args.quiet or args.json) and text_notice(table):
         print_notice(text_notice(table))
     # Directories and globs expand to files only now: check those too.
     check_outputs(out, args.summary_json, input_files([f.path for f in table.files], ""),
                   overwrite=args.overwrite)
     timings = {"read": time.perf_counter() - t0}
+    compiled["read"] = numbacache.compile_totals()
     if args.fingerprint == "content":
         from planner.sources.content import with_content
 
         with Progress("hashing tokens", unit="file", enabled=show) as bar:
             table = with_content(table, args.field, progress=bar)
         timings["fingerprint"] = time.perf_counter() - t0 - timings["read"]
+        compiled["fingerprint"] = numbacache.compile_totals()
     t1 = time.perf_counter()
     planned: list[float] = []
-    with Progress("planning", unit="step", enabled=show) as bar:
+    # Worker processes (--workers, a local Ray) log their compiles to this process.
+    with Progress("planning", unit="step", enabled=show) as bar, \
+            numbacache.worker_compiles(config.workers != 1 or config.engine == "ray") as workers:
         stream = PlanStream(table, config, cost, progress=bar)
 
         def header() -> PlanHeader:
             planned.append(time.perf_counter())
+            compiled.setdefault("plan", numbacache.compile_totals())
             return stream.header()
 
         # Steps stream to a spill file as they are planned (memory independent of the number
@@ -278,10 +288,13 @@ def cmd_plan(argv: list[str]) -> int:
                                 f"--memory-per-rank {args.memory_per_rank}")
         write_plan_stream(out, steps, header, lengths=table.lengths,
                           overwrite=args.overwrite)
+        compiled["validate+write"] = numbacache.compile_totals()
+        in_workers = workers.read()
     t3 = time.perf_counter()
     t2 = planned[0]
     summary = plan_summary(stream.header(), out,
-                           {**timings, "plan": t2 - t1, "validate+write": t3 - t2})
+                           {**timings, "plan": t2 - t1, "validate+write": t3 - t2},
+                           Compiles.of(list(compiled.items()), in_workers))
     emit_summary(summary, format_summary(summary), as_json=args.json,
                  json_path=args.summary_json, quiet=args.quiet)
     return 0

@@ -4,32 +4,69 @@
 that ``dcp-plan`` prints is rendered from the same dict, so the two can never disagree. Keys are
 stable (scripts read them): counts are integers, ratios plain fractions (``padding_overhead``
 0.00015 means 0.015%), times seconds.
+
+numba's compile (the first run after an install, planner/numbacache.py) is a phase of its own,
+``seconds.compile``: the other phases and the speed exclude it, ``seconds.total`` is the whole
+wall time. Worker processes compile at the same time as one another, so the longest worker's
+compile is what the run waited for; Ray tasks on a cluster's other nodes cannot report theirs
+and are not counted.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from planner import provenance
+from planner.numbacache import CompileTotals
 from planner.planfile.gain import describe, gain_text
 from planner.planfile.schema import PlanHeader, describe_launch
 
-__all__ = ["format_summary", "plan_summary"]
+__all__ = ["Compiles", "format_summary", "plan_summary"]
 
 
-def plan_summary(header: PlanHeader, out: str | Path, phases: dict[str, float]) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Compiles:
+    """The run's numba compiles: this process's seconds in each phase, and each worker's."""
+
+    by_phase: dict[str, float] = field(default_factory=dict)
+    signatures: int = 0
+    workers: tuple[CompileTotals, ...] = ()
+    worker_phase: str = "plan"
+    """The phase the workers' compiles fall in (they plan the steps)."""
+
+    @classmethod
+    def of(cls, marks: Sequence[tuple[str, CompileTotals]],
+           workers: Sequence[CompileTotals] = ()) -> Compiles:
+        """From this process's totals at the start and at each phase's end, in order."""
+        by_phase = {name: (b - a).seconds
+                    for (_, a), (name, b) in zip(marks, marks[1:], strict=False)}
+        return cls(by_phase=by_phase, signatures=(marks[-1][1] - marks[0][1]).signatures,
+                   workers=tuple(w for w in workers if w.seconds > 0))
+
+
+def plan_summary(header: PlanHeader, out: str | Path, phases: dict[str, float],
+                 compiles: Compiles | None = None) -> dict[str, Any]:
     """Every summary figure of a plan as JSON-ready values.
 
     Args:
         header: the plan's header.
         out: where the plan was written.
-        phases: wall-clock seconds per phase (``read``, ``plan``, ``validate+write``).
+        phases: wall-clock seconds per phase (``read``, ``plan``, ``validate+write``), numba's
+            compiles included.
+        compiles: the numba compiles in those phases (none: nothing compiled).
     """
     s = header.stats
     p = header.parallel
     d = header.dataset
     total = float(sum(phases.values()))
+    c = compiles or Compiles()
+    in_workers = max((w.seconds for w in c.workers), default=0.0)
+    net = {k: max(0.0, float(v) - c.by_phase.get(k, 0.0)
+                  - (in_workers if k == c.worker_phase else 0.0)) for k, v in phases.items()}
+    work = sum(net.values())
     bound = float(s["lower_bound_seconds"])
     drawn = d.num_samples * len(header.epochs)
     mark, warning = provenance.of_header(header)
@@ -44,7 +81,8 @@ def plan_summary(header: PlanHeader, out: str | Path, phases: dict[str, float]) 
                     **({"content_fingerprint": d.content_fingerprint}
                        if d.content_fingerprint else {}),
                     **({"field": d.field} if d.field else {}),
-                    **({"tokenizer": dict(d.tokenizer)} if d.tokenizer else {})},
+                    **({"tokenizer": dict(d.tokenizer)} if d.tokenizer else {}),
+                    **_megatron(d.megatron_unit, files)},
         "parallel": {"dp": p.dp, "cp": p.cp, "tp": p.tp, "pp": p.pp, "vpp": p.vpp,
                      "sequence_parallel": p.sequence_parallel, "pool_size": p.pool_size,
                      "microbatch_group_size": p.microbatch_group_size},
@@ -86,9 +124,32 @@ def plan_summary(header: PlanHeader, out: str | Path, phases: dict[str, float]) 
         "truncated_samples": len(s.get("truncated_samples", [])),
         "dropped_samples": len(s.get("dropped_samples", [])),
         "skipped_bad_records": int(s.get("skipped_bad_records", 0)),
-        "seconds": {**{k: float(v) for k, v in phases.items()}, "total": total},
-        "samples_per_second": drawn / total if total > 0 else None,
+        "seconds": {**net, "compile": total - work, "total": total},
+        "compile": {"signatures_here": c.signatures, "seconds_here": sum(c.by_phase.values()),
+                    "worker_processes": len(c.workers), "worker_seconds_max": in_workers},
+        "samples_per_second": drawn / work if work > 0 else None,
     }
+
+
+def _megatron(unit: str, files: list[dict[str, Any]]) -> dict[str, Any]:
+    """``{"megatron": {unit, num_documents, num_sequences}}`` for a dataset with Megatron files
+    (what a sample of them is, and how many of each the indexes hold); else empty."""
+    mg = [f for f in files if f.get("format") == "megatron"]
+    if not unit or not mg:
+        return {}
+    return {"megatron": {"unit": unit, "files": len(mg),
+                         "path": str(mg[0]["path"]) if len(mg) == 1 else "",
+                         "num_documents": sum(int(f.get("num_documents", 0)) for f in mg),
+                         "num_sequences": sum(int(f.get("num_sequences", 0)) for f in mg)}}
+
+
+def _megatron_line(m: dict[str, Any]) -> str:
+    """``data      50 documents (150 sequences) of x.idx, planned as documents``."""
+    docs, seqs = f"{m['num_documents']:,} documents", f"{m['num_sequences']:,} sequences"
+    counts = (f"{docs} ({seqs})" if m["unit"] == "document" else
+              f"{seqs} ({docs})" if m["num_documents"] else f"{seqs} (no document index)")
+    where = m["path"] if m["path"] else f"{m['files']} Megatron files"
+    return f"data      {counts} of {where}, planned as {m['unit']}s"
 
 
 def _blend_entries(blend: dict[str, Any] | None, files: list[dict[str, Any]]
@@ -151,6 +212,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         from planner.sources.textenc import TokenizerSpec
 
         lines.append(f"tokenizer {TokenizerSpec.from_dict(d['tokenizer']).policy_text()}")
+    if d.get("megatron"):
+        lines.append(_megatron_line(d["megatron"]))
     if len(d["files"]) > 1:
         for f in d["files"]:
             lines.append(f"  file    {f['path']}: {f['num_samples']:,} samples, "
@@ -188,9 +251,23 @@ def format_summary(summary: dict[str, Any]) -> str:
         policy.append(f"{s['skipped_bad_records']} bad records skipped")
     if policy:
         lines.append("long/bad  " + ", ".join(policy))
-    phases = {k: v for k, v in s["seconds"].items() if k != "total"}
+    seconds = s["seconds"]
+    compiled = seconds.get("compile", 0.0)
+    if compiled > 0:
+        lines.append(f"compile   numba kernels compiled once: {compiled:.1f} s "
+                     f"({_compile_detail(s['compile'])}cached for later runs)")
+    phases = {k: v for k, v in seconds.items() if k not in ("compile", "total")}
     detail = ", ".join(f"{k} {v:.2f} s" for k, v in phases.items())
     rate = s["samples_per_second"]
     speed = f"{rate:,.0f} sequences/s" if rate is not None else "inf sequences/s"
-    lines.append(f"speed     {speed} in {s['seconds']['total']:.2f} s ({detail})")
+    lines.append(f"speed     {speed} in {sum(phases.values()):.2f} s ({detail}"
+                 + ("; the compile excluded" if compiled > 0 else "") + ")")
     return "\n".join(lines)
+
+
+def _compile_detail(c: dict[str, Any]) -> str:
+    """``68 signatures; `` or, with workers, where the compile's seconds went."""
+    if not c["worker_processes"]:
+        return f"{c['signatures_here']} signatures; "
+    return (f"{c['seconds_here']:.1f} s here, up to {c['worker_seconds_max']:.1f} s in each of "
+            f"{c['worker_processes']} worker processes at the same time; ")

@@ -54,8 +54,10 @@ def cmd_validate(argv: list[str]) -> int:
 
                 encoder = plan_encoder(f.header.dataset.tokenizer, args.tokenizer, args.plan)
             try:
+                # The Megatron unit the plan was made with (none recorded: sequences).
                 table = read_lengths(items, skip_bad_records=skip, field=field,
-                                     notice=print_notice, encoder=encoder)
+                                     notice=print_notice, encoder=encoder,
+                                     megatron_unit=f.header.dataset.replay_megatron_unit)
             except ValueError as e:
                 raise ValueError(field_hint(str(e), recorded, args.field, args.plan)) from None
             lengths = table.lengths

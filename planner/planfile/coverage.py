@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numba
 import numpy as np
 from numpy.typing import NDArray
 
+from planner.jit import kernel
 from planner.planfile.schema import PlanHeader
 
 
@@ -134,7 +134,7 @@ class Coverage:
         return errors
 
 
-@numba.njit(cache=True)
+@kernel
 def _extend(sample: NDArray[np.int64], offset: NDArray[np.int64], ntok: NDArray[np.int64],
             ends: NDArray[np.int64], placed: NDArray[np.bool_], seen: NDArray[np.uint8]) -> bool:
     """``Coverage.add`` when every real segment of the step extends its sample's prefix (its

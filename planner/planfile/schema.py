@@ -46,6 +46,11 @@ COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
 COLUMN_NAMES = tuple(name for name, _ in COLUMNS)
 NUMPY_DTYPES = {name: np.dtype(t.to_pandas_dtype()) for name, t in COLUMNS}
 _TYPES = dict(COLUMNS)
+MEGATRON_UNITS = ("document", "sequence")
+"""What a sample of a Megatron ``.bin``/``.idx`` file is (``dataset.megatron_unit``)."""
+LEGACY_MEGATRON_UNIT = "sequence"
+"""The unit of a plan whose header records none: plans made before it was recorded planned
+sequences."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,6 +78,15 @@ class DatasetInfo:
     """Format 2, a text corpus (``dcp-plan --tokenizer``): the tokenizer the lengths were
     counted with (``planner.sources.textenc.TokenizerSpec.to_dict()``: path, sha256,
     vocab_size, bos, append_eod, bos_id, eod_id); empty (and absent from the JSON): token ids."""
+    megatron_unit: str = ""
+    """Format 2, ``dcp-plan --megatron-unit``: what a sample of the dataset's Megatron files is,
+    ``document`` or ``sequence``; empty (and absent from the JSON): no Megatron file, or a plan
+    made before the unit was recorded, which planned sequences (``replay_megatron_unit``)."""
+
+    @property
+    def replay_megatron_unit(self) -> str:
+        """The unit to read the Megatron files in: the recorded one, else ``sequence``."""
+        return self.megatron_unit or LEGACY_MEGATRON_UNIT
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -174,6 +188,8 @@ class PlanHeader:
             del d["dataset"]["field"]
         if not self.dataset.tokenizer:
             del d["dataset"]["tokenizer"]
+        if not self.dataset.megatron_unit:
+            del d["dataset"]["megatron_unit"]
         return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
     @classmethod

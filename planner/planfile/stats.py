@@ -25,13 +25,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import numba
 import numpy as np
 from numpy.typing import NDArray
 
 from planner.config import PlannerConfig
 from planner.cost import CostModel, simulate_step, step_lower_bound
 from planner.groups import MAX_SEGMENT_TOKENS, pad_multiple
+from planner.jit import kernel
 from planner.planfile.gain import GainAccumulator
 from planner.solver.step import baselines_not_scored
 
@@ -47,7 +47,7 @@ def min_padded(tokens: NDArray[np.int64], sizes: tuple[int, ...], capacity: int,
     return _min_padded(np.asarray(tokens, dtype=np.int64), ks, mults, capacity, MAX_SEGMENT_TOKENS)
 
 
-@numba.njit(cache=True)
+@kernel
 def _min_padded(tokens: NDArray[np.int64], sizes: NDArray[np.int64], mults: NDArray[np.int64],
                 capacity: int, max_segment: int) -> NDArray[np.int64]:
     out = np.zeros(len(tokens), dtype=np.int64)

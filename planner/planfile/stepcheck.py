@@ -14,12 +14,13 @@ answers False, and the numpy checks then word it.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numpy.typing import NDArray
 
+from planner.jit import kernel
 
-@numba.njit(cache=True)
+
+@kernel
 def rows_valid(i: int, step: NDArray[np.int32], mb: NDArray[np.int32],
                start: NDArray[np.int32], k: NDArray[np.int32], sample: NDArray[np.int64],
                ntok: NDArray[np.int32], padded: NDArray[np.int32], pool_size: int,

@@ -21,6 +21,7 @@ from planner.planfile.headercheck import EpochBatches, StatsCheck
 from planner.planfile.schema import (
     COLUMN_NAMES,
     EVAL,
+    MEGATRON_UNITS,
     NUMPY_DTYPES,
     PLAN_KINDS,
     PlanHeader,
@@ -275,6 +276,9 @@ def _check_header(header: PlanHeader, err: _Errors) -> None:
         err.add(f"header: cp_sizes {sorted(bad_sizes)} are not valid for a pool of {p.pool_size}")
     if not isinstance(header.dataset.field, str):
         err.add(f"header: dataset field {header.dataset.field!r} is not a field name (a string)")
+    if header.dataset.megatron_unit not in ("", *MEGATRON_UNITS):
+        err.add(f"header: dataset megatron_unit {header.dataset.megatron_unit!r} is not one of "
+                f"{', '.join(MEGATRON_UNITS)}")
     if header.layout not in LAYOUTS:
         err.add(f"header: layout {header.layout!r} is not one of {', '.join(LAYOUTS)}")
     if header.pad_to_multiple < 1:

@@ -21,9 +21,10 @@ Example (tokens mode, T = 10): lengths in permutation order [4, 5, 3, 12, 2] giv
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numpy.typing import NDArray
+
+from planner.jit import kernel
 
 _MASK64 = (1 << 64) - 1
 
@@ -57,7 +58,7 @@ def epoch_permutation(num_samples: int, seed: int, epoch: int) -> NDArray[np.int
     return radix_argsort(keys)
 
 
-@numba.njit(cache=True)
+@kernel
 def radix_argsort(keys: NDArray[np.uint64]) -> NDArray[np.int64]:
     """The stable argsort of ``keys`` (LSD radix, 8 passes of 8 bits; ``keys`` is overwritten):
     numpy's stable sort of uint64 is a timsort, 113 ms at a million keys against 46 ms here,
@@ -90,7 +91,7 @@ def radix_argsort(keys: NDArray[np.uint64]) -> NDArray[np.int64]:
     return perm
 
 
-@numba.njit(cache=True)
+@kernel
 def _token_batch_ends(lengths: NDArray[np.int64], order: NDArray[np.int64],
                       tokens: int) -> NDArray[np.int64]:
     """End positions (exclusive, into ``order``) of greedily filled token batches."""

@@ -37,17 +37,16 @@ never wait (+inf load, room -1).
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numpy.typing import NDArray
 
-from planner.solver.jit import no_refcount
+from planner.jit import kernel, no_refcount
 
 NO_THRESHOLD = np.iinfo(np.int64).max
 """The threshold before any question: only openable units are active."""
 
 
-@numba.njit(cache=True)
+@kernel
 def tree_width(num_units: int) -> int:
     """Leaf slots: the smallest power of two >= ``num_units``."""
     w = 1

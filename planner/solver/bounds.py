@@ -20,12 +20,13 @@ plan_stats reports the sum of T* next to the issue's bound.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numpy.typing import NDArray
 
+from planner.jit import kernel
 
-@numba.njit(cache=True)
+
+@kernel
 def malleable_bound(lone: NDArray[np.float64], work: NDArray[np.float64],
                     fits: NDArray[np.bool_], rows: NDArray[np.int64], pool_size: int) -> float:
     """T* (see the module docstring) of the segments of table rows ``rows`` (items.RunTables'
@@ -95,7 +96,7 @@ def malleable_bound(lone: NDArray[np.float64], work: NDArray[np.float64],
     return best
 
 
-@numba.njit(cache=True)
+@kernel
 def full_pool_bound(padded: NDArray[np.int64], time: NDArray[np.float64],
                     work: NDArray[np.float64], fits: NDArray[np.bool_],
                     min_level: NDArray[np.int64], rows: NDArray[np.int64],

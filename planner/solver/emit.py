@@ -17,14 +17,14 @@ the 2-group on ranks 2-3].
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numpy.typing import NDArray
 
+from planner.jit import kernel
 from planner.solver.place import block_layout
 
 
-@numba.njit(cache=True)
+@kernel
 def emit_rows(sample: NDArray[np.int64], offset: NDArray[np.int64], tokens: NDArray[np.int64],
               padded: NDArray[np.int64], order: NDArray[np.int64],
               item_level: NDArray[np.int64], item_group: NDArray[np.int64],

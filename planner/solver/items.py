@@ -32,18 +32,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 from numpy.typing import NDArray
 
 from planner.groups import MAX_SEGMENT_TOKENS
+from planner.jit import kernel
 
 DENSE_LENGTHS = 1 << 23
 """Runs whose longest segment is shorter map lengths to rows through a dense array (4 bytes per
 possible length, at most 32 MB); longer ones by binary search."""
 
 
-@numba.njit(cache=True)
+@kernel
 def seq_time(c: NDArray[np.float64], k: int, p: float) -> float:
     """A sequence's share of its group's per-rank time (cost.py's t without fixed terms)."""
     t = (c[0] * p + c[1] * p * p) / k
@@ -52,7 +52,7 @@ def seq_time(c: NDArray[np.float64], k: int, p: float) -> float:
     return float(t)
 
 
-@numba.njit(cache=True)
+@kernel
 def _tables(tokens: NDArray[np.int64], sizes: NDArray[np.int64], mults: NDArray[np.int64],
             capacity: int, c: NDArray[np.float64], max_segment: int
             ) -> tuple[NDArray[np.int64], NDArray[np.bool_], NDArray[np.float64],
@@ -95,7 +95,7 @@ def _tables(tokens: NDArray[np.int64], sizes: NDArray[np.int64], mults: NDArray[
     return padded, fits, time, lone, work, min_level
 
 
-@numba.njit(cache=True)
+@kernel
 def _distinct(tokens: NDArray[np.int64], longest: int) -> NDArray[np.int64]:
     """The distinct values of ``tokens`` (all in 0..longest), ascending."""
     seen = np.zeros(longest + 1, dtype=np.bool_)
@@ -104,7 +104,7 @@ def _distinct(tokens: NDArray[np.int64], longest: int) -> NDArray[np.int64]:
     return np.flatnonzero(seen).astype(np.int64)
 
 
-@numba.njit(cache=True)
+@kernel
 def _rank_order(key: NDArray[np.float64]) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
     """(rows by descending key, stable; the rank of each in that order: equal keys, equal
     rank). Keys are works >= 0, whose IEEE bits order as their values."""
@@ -119,7 +119,7 @@ def _rank_order(key: NDArray[np.float64]) -> tuple[NDArray[np.int64], NDArray[np
     return order, rank
 
 
-@numba.njit(cache=True)
+@kernel
 def _dense_rows(values: NDArray[np.int64], longest: int) -> NDArray[np.int32]:
     row_of = np.full(longest + 1, -1, dtype=np.int32)
     for r in range(len(values)):
@@ -127,7 +127,7 @@ def _dense_rows(values: NDArray[np.int64], longest: int) -> NDArray[np.int32]:
     return row_of
 
 
-@numba.njit(cache=True)
+@kernel
 def placement_order(rank: NDArray[np.int64]) -> NDArray[np.int64]:
     """The stable argsort of ``rank`` (small non-negative ints): LSD radix, 8 bits a pass, only
     as many passes as the largest rank needs."""
@@ -233,7 +233,7 @@ class ItemTables:
                                self.row if level is None else level, level is None))
 
 
-@numba.njit(cache=True)
+@kernel
 def _padded_at(padded: NDArray[np.int64], row: NDArray[np.int64],
                level: NDArray[np.int64]) -> NDArray[np.int64]:
     out = np.empty(len(row), dtype=np.int64)
@@ -242,7 +242,7 @@ def _padded_at(padded: NDArray[np.int64], row: NDArray[np.int64],
     return out
 
 
-@numba.njit(cache=True)
+@kernel
 def _padded_sum(padded: NDArray[np.int64], min_level: NDArray[np.int64],
                 row: NDArray[np.int64], level: NDArray[np.int64], cheapest: bool) -> int:
     total = 0

@@ -25,15 +25,14 @@ changed, and the level whole once a quarter of it changed. Answers are the scan'
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numpy.typing import NDArray
 
+from planner.jit import kernel, no_refcount
 from planner.solver.blocktree import tree_width
-from planner.solver.jit import no_refcount
 
 
-@numba.njit(cache=True)
+@kernel
 def level_layout(num_blocks: NDArray[np.int64]) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
     """(leaf slots per level, offset of each level's nodes in the flat level-tree arrays)."""
     num_levels = len(num_blocks)

@@ -37,11 +37,10 @@ The planner scores this greedy as a candidate for every step (candidates.py); th
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numpy.typing import NDArray
 
-from planner.solver.jit import no_refcount
+from planner.jit import kernel, no_refcount
 from planner.solver.megatron_tree import BIG, first_group, least_work, set_leaf, tree_offsets
 
 SOLVER_NAME = "megatron-greedy"
@@ -83,7 +82,7 @@ def _fill_once(g_size: NDArray[np.int64], num_groups: int, pool_size: int,
     return False
 
 
-@numba.njit(cache=True)
+@kernel
 def _microbatch(order: NDArray[np.int64], padded: NDArray[np.int64], pool_size: int,
                 capacity: int, sizes: NDArray[np.int64], g_size: NDArray[np.int64],
                 seq_group: NDArray[np.int64], placed: NDArray[np.int64],
@@ -214,7 +213,7 @@ def _microbatch(order: NDArray[np.int64], padded: NDArray[np.int64], pool_size: 
     return num_groups, num_placed, num_left
 
 
-@numba.njit(cache=True)
+@kernel
 def _megatron(padded: NDArray[np.int64], pool_size: int, capacity: int,
               sizes: NDArray[np.int64], tree: bool) -> tuple[NDArray[np.int64], NDArray[np.int64],
                                                  NDArray[np.int64], NDArray[np.int64]]:

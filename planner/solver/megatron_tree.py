@@ -23,16 +23,15 @@ created hold +inf, so they never match.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numpy.typing import NDArray
 
-from planner.solver.jit import no_refcount
+from planner.jit import kernel, no_refcount
 
 BIG = np.iinfo(np.int64).max
 
 
-@numba.njit(cache=True)
+@kernel
 def tree_offsets(pool_size: int, sizes: NDArray[np.int64]) -> tuple[NDArray[np.int64],
                                                                    NDArray[np.int64]]:
     """Per level, (offset of its tree in the flat arrays, its number of leaves: a power of two

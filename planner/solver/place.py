@@ -33,10 +33,10 @@ Bins (groups) exist only here and in cpsat.py; rows come from emit.py.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numpy.typing import NDArray
 
+from planner.jit import kernel, no_refcount
 from planner.solver.blocktree import (
     NO_THRESHOLD,
     best_fit,
@@ -45,7 +45,6 @@ from planner.solver.blocktree import (
     tightest,
     tree_width,
 )
-from planner.solver.jit import no_refcount
 from planner.solver.leveltree import level_layout, lowest_block, mark_blocks, put_blocks
 
 BALANCE = 0
@@ -59,7 +58,7 @@ the unit tree at N = 128 0.34 ms instead of 0.83 scanning; level trees at 128 bl
 than they save (N = 1024: 4.9 ms with them at levels of 128 blocks, 4.2 without)."""
 
 
-@numba.njit(cache=True)
+@kernel
 def block_layout(sizes: NDArray[np.int64], pool_size: int
                  ) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
     """(blocks per level, offset of each level's first block in the flat block arrays)."""
@@ -103,7 +102,7 @@ def _add(lv: int, b: int, dload: float, dcount: int, sizes: NDArray[np.int64],
     return len(sizes) - 1
 
 
-@numba.njit(cache=True)
+@kernel
 def work_to_come(time: NDArray[np.float64], min_level: NDArray[np.int64],
                  sizes: NDArray[np.int64], rows: NDArray[np.int64]) -> float:
     """Rank-seconds of the segments of table rows ``rows`` at their cheapest sizes, summed in
@@ -114,7 +113,7 @@ def work_to_come(time: NDArray[np.float64], min_level: NDArray[np.int64],
     return total
 
 
-@numba.njit(cache=True)
+@kernel
 def place(padded: NDArray[np.int64], fits: NDArray[np.bool_], time: NDArray[np.float64],
           min_level: NDArray[np.int64], rows: NDArray[np.int64], sizes: NDArray[np.int64],
           capacity: int, pool_size: int, c: NDArray[np.float64], num_mb: int, target: float,

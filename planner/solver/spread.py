@@ -5,14 +5,14 @@ Called once per step on the chosen placement (greedy.assign_step), before the ro
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numpy.typing import NDArray
 
+from planner.jit import kernel
 from planner.solver.place import block_layout
 
 
-@numba.njit(cache=True)
+@kernel
 def spread(padded0: NDArray[np.int64], order: NDArray[np.int64], item_level: NDArray[np.int64],
            item_group: NDArray[np.int64], g_level: NDArray[np.int64], g_block: NDArray[np.int64],
            num_groups: int, sizes: NDArray[np.int64], capacity: int, pool_size: int,

@@ -24,11 +24,11 @@ below, which the bench's ``static_cp_plan`` uses: bench/baseline_static.py).
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numpy.typing import NDArray
 
 from planner.groups import pad_multiple
+from planner.jit import kernel
 
 
 def padded_lengths(lengths: NDArray[np.int64], cp: int, tp_eff: int, layout: str
@@ -88,7 +88,7 @@ def static_bins(padded: NDArray[np.int64], *, pool_size: int, cp: int, capacity:
     return bins, num_mb
 
 
-@numba.njit(cache=True)
+@kernel
 def static_layout(padded: NDArray[np.int64], pool_size: int, cp: int, capacity: int,
                   microbatch_multiple: int) -> tuple[NDArray[np.int64], NDArray[np.int64],
                                                      NDArray[np.int64], int]:

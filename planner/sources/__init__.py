@@ -2,7 +2,8 @@
 file order), with bad records named by file and line. Nothing here reads tokens for training.
 
 Modules: ``lengths`` (format detection, ``read_lengths``, ``LengthTable``), ``formats`` (Parquet,
-Arrow, Megatron ``.idx``, text), ``jsonl`` and ``jsonl_scan`` (the numba JSONL scanner),
+Arrow, text), ``megatron`` (Megatron ``.idx``: documents or sequences), ``jsonl`` and
+``jsonl_scan`` (the numba JSONL scanner),
 ``fieldname`` (the record field a plan's dataset is read with: recorded, or overridden).
 """
 

@@ -41,9 +41,9 @@ from planner.sources.formats import (
     CHUNK_BYTES,
     BadRecords,
     iter_line_chunks,
-    read_megatron_index,
 )
 from planner.sources.jsonl import read_jsonl, record_tokens, token_fields
+from planner.sources.megatron import DEFAULT_UNIT, read_megatron_samples
 
 if TYPE_CHECKING:
     from planner.sources.lengths import LengthTable
@@ -115,7 +115,8 @@ def with_content(table: LengthTable, field: str | None = None, *,
     out = []
     for j, f in enumerate(files):
         fmt, source = detect_format(f.path)
-        fp = file_content_fingerprint(source, fmt, table.lengths[bounds[j]:bounds[j + 1]], field)
+        fp = file_content_fingerprint(source, fmt, table.lengths[bounds[j]:bounds[j + 1]], field,
+                                      megatron_unit=table.megatron_unit or DEFAULT_UNIT)
         out.append(replace(f, content_fingerprint=fp))
         if progress is not None:
             progress(j + 1, len(files))
@@ -175,9 +176,11 @@ class StreamHasher:
 
 
 def file_content_fingerprint(path: str, fmt: str, lengths: NDArray[np.integer],
-                             field: str | None = None) -> str:
+                             field: str | None = None, *,
+                             megatron_unit: str = DEFAULT_UNIT) -> str:
     """The content fingerprint of one dataset file whose lengths (0: a skipped record) are
-    ``lengths``; ``path`` is the file to open (a Megatron prefix for ``megatron``).
+    ``lengths``; ``path`` is the file to open (a Megatron prefix for ``megatron``, whose
+    samples are ``megatron_unit``: documents or sequences).
 
     Raises:
         ValueError: the file holds no tokens (a ``.txt`` of lengths, a ``length`` field), or is
@@ -190,7 +193,7 @@ def file_content_fingerprint(path: str, fmt: str, lengths: NDArray[np.integer],
     elif fmt in ("parquet", "arrow"):
         chunks = _columnar(path, fmt, n, field)
     elif fmt == "megatron":
-        chunks = _megatron(path, n)
+        chunks = _megatron(path, n, megatron_unit)
     else:
         raise ValueError(f"{path}: --fingerprint content needs token data; a {fmt} file holds "
                          "lengths only")
@@ -296,13 +299,15 @@ def _columnar(path: str, fmt: str, lengths: NDArray[np.int64], field: str | None
         raise ValueError(f"{path}: unreadable after row {row0} ({e})") from None
 
 
-def _megatron(prefix: str, lengths: NDArray[np.int64]) -> Iterator[NDArray[np.int64]]:
-    _, pointers, dtype = read_megatron_index(prefix)
+def _megatron(prefix: str, lengths: NDArray[np.int64], unit: str
+              ) -> Iterator[NDArray[np.int64]]:
+    samples = read_megatron_samples(prefix, unit)
+    dtype = samples.dtype
     path = f"{prefix}.bin"
     kept = np.flatnonzero(lengths > 0)
     if not len(kept):
         return
-    starts = pointers[kept] // dtype.itemsize
+    starts = samples.starts[kept]
     n = lengths[kept]
     need = int((starts + n).max())
     try:

@@ -63,11 +63,19 @@ class DataFile:
     content_fingerprint: str = ""
     """sha256 of this file's tokens (``planner.sources.content``; ``dcp-plan --fingerprint
     content``); empty: not computed."""
+    num_sequences: int = 0
+    """A Megatron file's sequences (its samples are documents or sequences: the plan's
+    ``dataset.megatron_unit``); 0 (and absent from the JSON): not a Megatron file."""
+    num_documents: int = 0
+    """A Megatron file's documents; 0 (and absent from the JSON): not a Megatron file, or an
+    index without document indices."""
 
     def to_dict(self) -> dict[str, object]:
         d = asdict(self)
-        if not self.content_fingerprint:
-            del d["content_fingerprint"]  # plans made without it keep their bytes
+        # Plans made without them keep their bytes.
+        for key in ("content_fingerprint", "num_sequences", "num_documents"):
+            if not d[key]:
+                del d[key]
         return d
 
 

@@ -1,35 +1,22 @@
-"""Length readers for columnar files (Parquet, Arrow IPC) and Megatron indexed datasets.
+"""Length readers for columnar files (Parquet, Arrow IPC), and what every reader shares.
 
 Every reader returns one int64 length per sample in file order and reports bad records through
 ``BadRecords``, which raises on the first one (naming file and row) or, when skipping, records the
 sample index and leaves its length at 0. Sample indices never shift: a skipped record keeps its
-index, so a plan's ``sample_index`` is always the row of the source file.
-
-Megatron's ``MMapIndexedDataset`` index (``prefix.idx``, little-endian), as written by Megatron-LM
-``megatron/core/datasets/indexed_dataset.py``::
-
-    b"MMIDIDX\\x00\\x00" | version <Q = 1 | dtype code <B | sequence count <Q | document count <Q
-    | sequence lengths int32[count] | sequence pointers int64[count] | document indices int64[docs]
-
-Lengths come from the index alone; the token file ``prefix.bin`` is never read. A sample is one
-*sequence* (what a pointer and a length address), which is one document unless the data was
-preprocessed with sentence splitting.
+index, so a plan's ``sample_index`` is always the row of the source file. Megatron indexed
+datasets have their own module, ``planner.sources.megatron``.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import struct
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 from numpy.typing import NDArray
-
-from planner.fileguard import check_input
 
 DEFAULT_FIELDS = ("input_ids", "tokens", "length", "num_tokens")
 """Fields tried in this order when no field is named."""
@@ -46,6 +33,16 @@ ARROW_ERRORS = (pa.ArrowException, OSError, EOFError)
 
 CHUNK_BYTES = 1 << 24
 """Bytes per read in the line-oriented readers: bounds memory to a few chunks for any file size."""
+
+
+def only_token_list_hint(names: list[str], what: str) -> str:
+    """``; 'ids' is the only list-of-integers field: give --field ids`` when ``names`` (a
+    record's fields or a file's columns that hold integer lists) has exactly one, else empty:
+    for an error that found no usable field, the tokens are likely that one under another name.
+    ``what`` is ``field`` (JSONL) or ``column`` (Parquet, Arrow)."""
+    if len(names) != 1:
+        return ""
+    return f"; {names[0]!r} is the only list-of-integers {what}: give --field {names[0]}"
 
 
 class BadRecords:
@@ -130,7 +127,10 @@ def _pick_columns(path: str, schema: pa.Schema, field: str | None) -> list[tuple
         names = only if len(only) == 1 else []
     if not names or names[0] not in schema.names:
         wanted = field if field is not None else ", ".join(DEFAULT_FIELDS)
-        raise ValueError(f"{path}: no column {wanted}; columns are {schema.names}")
+        lists = [f.name for f in schema if _is_list(f.type) and pa.types.is_integer(
+            f.type.value_type)]
+        raise ValueError(f"{path}: no column {wanted}; columns are {schema.names}"
+                         + only_token_list_hint(lists, "column"))
     picked = []
     for name in names:
         t = schema.field(name).type
@@ -231,137 +231,3 @@ def read_arrow(path: str, field: str | None, bad: BadRecords) -> NDArray[np.int6
                 raise ValueError(f"{path}: not an Arrow IPC file or stream ({e})") from None
             batches, schema = iter(stream), stream.schema
         return _read_batches(path, batches, _pick_columns(path, schema, field), bad)
-
-
-# ---------------------------------------------------------------- Megatron indexed dataset
-
-_MAGIC = b"MMIDIDX\x00\x00"
-_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count
-_DTYPES: dict[int, type[np.generic]] = {
-    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
-    8: np.uint16,
-}
-_FLOAT_CODES = (6, 7)
-
-
-def read_megatron_index(
-    prefix: str | os.PathLike[str],
-) -> tuple[NDArray[np.int64], NDArray[np.int64], np.dtype[Any]]:
-    """Read ``prefix.idx``: (sequence lengths, byte pointers into ``prefix.bin``, token dtype).
-
-    Raises:
-        ValueError: the index is missing, truncated, of another format or version, declares a
-            float token dtype (token ids are integers), or holds a pointer that is negative,
-            not a multiple of the token size, or before the end of the sequence before it
-            (naming the sequence).
-    """
-    idx = f"{os.fspath(prefix)}.idx"
-    check_input(idx, "a Megatron index")
-    check_input(f"{os.fspath(prefix)}.bin", "a Megatron token file")
-    if not os.path.isfile(idx):
-        raise ValueError(f"{idx}: no such Megatron index file")
-    with open(idx, "rb") as f:
-        head = f.read(_HEADER.size)
-        if len(head) < _HEADER.size or not head.startswith(_MAGIC):
-            raise ValueError(f"{idx}: not a Megatron MMapIndexedDataset index (bad header)")
-        _, version, code, count, doc_count = _HEADER.unpack(head)
-        if version != 1:
-            raise ValueError(f"{idx}: index version {version}, only version 1 is supported")
-        if code not in _DTYPES or code in _FLOAT_CODES:
-            name = _DTYPES[code].__name__ if code in _DTYPES else "unknown"
-            raise ValueError(f"{idx}: token dtype code {code} ({name}) is not an integer type")
-        need = _HEADER.size + 12 * count + 8 * doc_count
-        if os.fstat(f.fileno()).st_size < need:
-            raise ValueError(f"{idx}: truncated: {count} sequences need {need} bytes, "
-                             f"the file has {os.fstat(f.fileno()).st_size}")
-        sizes = np.fromfile(f, dtype="<i4", count=count).astype(np.int64)
-        pointers = np.fromfile(f, dtype="<i8", count=count).astype(np.int64)
-    dtype = np.dtype(_DTYPES[code])
-    _check_pointers(idx, sizes, pointers, dtype)
-    return sizes, pointers, dtype
-
-
-def _check_pointers(idx: str, sizes: NDArray[np.int64], pointers: NDArray[np.int64],
-                    dtype: np.dtype[Any]) -> None:
-    """Every sequence's byte pointer: >= 0, a multiple of the token size, and at or after the
-    end of the sequence before it (Megatron's writer makes them the running sum of the
-    sequences' bytes). A negative pointer would read the end of the ``.bin`` (numpy's negative
-    indexing), a misaligned one would be rounded down: both are a damaged index, not data."""
-    if len(pointers) == 0:
-        return
-    item = dtype.itemsize
-
-    def fail(i: int, problem: str) -> None:
-        raise ValueError(f"{idx}: sequence {i}: {problem} (a damaged or foreign index: "
-                         "rebuild it with Megatron's preprocessing)")
-
-    bad = np.flatnonzero(pointers < 0)
-    if bad.size:
-        fail(int(bad[0]), f"byte pointer {int(pointers[bad[0]])} is negative")
-    bad = np.flatnonzero(pointers % item)
-    if bad.size:
-        fail(int(bad[0]), f"byte pointer {int(pointers[bad[0]])} is not a multiple of the "
-                          f"{item}-byte token size ({dtype.name})")
-    ends = pointers + np.maximum(sizes, 0) * item
-    bad = np.flatnonzero(pointers[1:] < ends[:-1]) + 1
-    if bad.size:
-        i = int(bad[0])
-        fail(i, f"starts at byte {int(pointers[i])}, before sequence {i - 1} ends (byte "
-                f"{int(ends[i - 1])}): pointers must follow the sequences in order")
-
-
-def read_megatron(prefix: str, bad: BadRecords) -> NDArray[np.int64]:
-    """Sequence lengths of a Megatron dataset; an empty (or negative) sequence is a bad record."""
-    sizes, pointers, dtype = read_megatron_index(prefix)
-    bin_path = f"{prefix}.bin"
-    if len(sizes) and os.path.isfile(bin_path):
-        # Only the size of the token file is checked (a stat, not a read): a truncated or
-        # mismatched .bin would otherwise fail much later, inside a training run.
-        ends = pointers + np.maximum(sizes, 0) * dtype.itemsize
-        need = int(np.max(ends))
-        have = os.path.getsize(bin_path)
-        if have < need:
-            last = int(np.argmax(ends > have))
-            raise ValueError(f"{bin_path}: holds {have} bytes, its index addresses {need} "
-                             f"(sequence {last} and later lie past the end: truncated?)")
-    bad_rows = np.flatnonzero(sizes <= 0)
-    bad.add_rows(bad_rows, lambda i: (f"{prefix}.idx: sequence {i}",
-                                      f"length {sizes[i]}; lengths must be positive"))
-    sizes[bad_rows] = 0
-    return sizes
-
-
-def write_megatron_dataset(prefix: str | os.PathLike[str],
-                           docs: Sequence[Sequence[int] | NDArray[np.integer[Any]]],
-                           dtype: type[np.integer[Any]] | np.dtype[Any] = np.int32) -> None:
-    """Write ``prefix.bin`` and ``prefix.idx`` in Megatron's MMapIndexedDataset format.
-
-    Each document is one sequence (document indices ``0..len(docs)``), as Megatron's
-    preprocessing writes it without sentence splitting. For tests and sample data.
-
-    Raises:
-        ValueError: ``dtype`` is not one of Megatron's integer token dtypes, or a token does not
-            fit it.
-    """
-    np_dtype = np.dtype(dtype)
-    codes = {np.dtype(t): c for c, t in _DTYPES.items() if c not in _FLOAT_CODES}
-    if np_dtype not in codes:
-        raise ValueError(f"token dtype {np_dtype} is not a Megatron integer token dtype")
-    info = np.iinfo(np_dtype)
-    prefix = os.fspath(prefix)
-    sizes = np.zeros(len(docs), dtype=np.int64)
-    with open(f"{prefix}.bin", "wb") as f:
-        for i, doc in enumerate(docs):
-            arr = np.asarray(doc)
-            if arr.size and (arr.min() < info.min or arr.max() > info.max):
-                raise ValueError(f"document {i}: tokens outside {np_dtype} range")
-            arr.astype(np_dtype.newbyteorder("<")).tofile(f)
-            sizes[i] = arr.size
-    pointers = np.zeros(len(docs), dtype="<i8")
-    np.cumsum(sizes[:-1] * np_dtype.itemsize, out=pointers[1:])
-    doc_index = np.arange(len(docs) + 1, dtype="<i8")
-    with open(f"{prefix}.idx", "wb") as f:
-        f.write(_HEADER.pack(_MAGIC, 1, codes[np_dtype], len(docs), len(doc_index)))
-        f.write(sizes.astype("<i4").tobytes())
-        f.write(pointers.tobytes())
-        f.write(doc_index.tobytes())

@@ -18,9 +18,16 @@ Worked example (fields ``input_ids, tokens, length, num_tokens``)::
 
 from __future__ import annotations
 
-import numba
+from typing import Any
+
 import numpy as np
 from numpy.typing import NDArray
+
+from planner.jit import kernel as _typed_kernel
+
+# The scanner's helpers carry no annotations (numba infers their types): as before, calls to them
+# are untyped for mypy.
+kernel: Any = _typed_kernel
 
 BLANK, OK, CHECK = 0, 1, 2
 """Line states."""
@@ -33,7 +40,7 @@ _QUOTE, _BACKSLASH, _COMMA, _COLON, _MINUS = 34, 92, 44, 58, 45
 _LBRACE, _RBRACE, _LBRACKET, _RBRACKET = 123, 125, 91, 93
 
 
-@numba.njit(cache=True)
+@kernel
 def _ws(a, i, e):  # type: ignore[no-untyped-def]
     """First index >= i that is not JSON whitespace (a line holds no newline)."""
     while i < e and (a[i] == _SP or a[i] == _TAB or a[i] == _CR):
@@ -41,7 +48,7 @@ def _ws(a, i, e):  # type: ignore[no-untyped-def]
     return i
 
 
-@numba.njit(cache=True)
+@kernel
 def _string(a, i, e):  # type: ignore[no-untyped-def]
     """End of the string opening at a[i], or -1. Raw control characters are invalid (strict)."""
     i += 1
@@ -72,7 +79,7 @@ def _string(a, i, e):  # type: ignore[no-untyped-def]
     return -1
 
 
-@numba.njit(cache=True)
+@kernel
 def _number(a, i, e):  # type: ignore[no-untyped-def]
     """(end or -1, is an integer, value, more than 18 digits) of the JSON number at a[i]."""
     negative = a[i] == _MINUS
@@ -111,7 +118,7 @@ def _number(a, i, e):  # type: ignore[no-untyped-def]
     return i, is_int, -value if negative else value, digits > 18
 
 
-@numba.njit(cache=True)
+@kernel
 def _literal(a, i, e, word):  # type: ignore[no-untyped-def]
     """End of the literal ``word`` (true/false/null as a byte tuple) at a[i], or -1."""
     if i + len(word) > e:
@@ -122,7 +129,7 @@ def _literal(a, i, e, word):  # type: ignore[no-untyped-def]
     return i + len(word)
 
 
-@numba.njit(cache=True)
+@kernel
 def _scalar(a, i, e):  # type: ignore[no-untyped-def]
     """End of the string, number or literal at a[i], or -1."""
     c = a[i]
@@ -139,7 +146,7 @@ def _scalar(a, i, e):  # type: ignore[no-untyped-def]
     return -1
 
 
-@numba.njit(cache=True)
+@kernel
 def _key(a, i, e):  # type: ignore[no-untyped-def]
     """Index after the member key at a[i] and its colon, or -1."""
     if i >= e or a[i] != _QUOTE:
@@ -153,7 +160,7 @@ def _key(a, i, e):  # type: ignore[no-untyped-def]
     return i + 1
 
 
-@numba.njit(cache=True)
+@kernel
 def _value(a, i, e, stack):  # type: ignore[no-untyped-def]
     """End of the JSON value at a[i] (validated, any nesting up to MAX_DEPTH), or -1."""
     depth = 0
@@ -203,7 +210,7 @@ def _value(a, i, e, stack):  # type: ignore[no-untyped-def]
             break
 
 
-@numba.njit(cache=True)
+@kernel
 def _int_list(a, i, e):  # type: ignore[no-untyped-def]
     """(end or -1, element count) of an array of JSON integers at a[i] == "[".
 
@@ -241,7 +248,7 @@ def _int_list(a, i, e):  # type: ignore[no-untyped-def]
     return -1, 0
 
 
-@numba.njit(cache=True)
+@kernel
 def _match(a, i, j, names, bounds):  # type: ignore[no-untyped-def]
     """Index of the candidate whose name is a[i:j], -1 for none, -2 if the key has escapes."""
     for k in range(i, j):
@@ -259,7 +266,7 @@ def _match(a, i, j, names, bounds):  # type: ignore[no-untyped-def]
     return -1
 
 
-@numba.njit(cache=True)
+@kernel
 def _line(a, s, e, names, bounds, kinds, stack, status, values):  # type: ignore[no-untyped-def]
     """(state, length) of the line a[s:e]; status/values are per-field scratch arrays."""
     i = _ws(a, s, e)
@@ -320,7 +327,7 @@ def _line(a, s, e, names, bounds, kinds, stack, status, values):  # type: ignore
     return CHECK, 0
 
 
-@numba.njit(cache=True)
+@kernel
 def scan_chunk(a, ends, names, bounds, kinds, states, lengths):  # type: ignore[no-untyped-def]
     """Classify each line of a chunk into ``states`` (BLANK/OK/CHECK) and ``lengths`` (if OK).
 

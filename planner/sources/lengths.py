@@ -10,7 +10,8 @@ files in that order. Formats, chosen by extension:
 - ``.parquet``, ``.arrow``/``.feather``/``.ipc`` (Arrow IPC file or stream): a token-list column
   (``input_ids``/``tokens``) or an integer column (``length``/``num_tokens``).
 - ``.idx``/``.bin``, or a prefix ``p`` with ``p.idx`` present: a Megatron indexed dataset, read from
-  the ``.idx`` alone (``planner.sources.formats``).
+  the ``.idx`` alone (``planner.sources.megatron``); a sample is a document (default) or a
+  sequence (``megatron_unit``).
 - ``.txt``: one integer length per line; blank lines are not records (also ``.txt.gz``/``.zst``).
 
 A bad record (unparsable, no usable field, a non-integer token, a length <= 0) raises ValueError
@@ -32,10 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numba
 import numpy as np
 from numpy.typing import NDArray
 
+from planner.jit import kernel
 from planner.planfile.schema import fingerprint_lengths
 from planner.sources.compressed import (
     COMPRESSIONS,
@@ -50,12 +51,16 @@ from planner.sources.formats import (
     BadRecords,
     iter_line_chunks,
     read_arrow,
-    read_megatron,
-    read_megatron_index,
     read_parquet,
-    write_megatron_dataset,
 )
 from planner.sources.jsonl import jsonl_index, read_jsonl
+from planner.sources.megatron import (
+    DEFAULT_UNIT,
+    UNITS,
+    read_megatron,
+    read_megatron_index,
+    write_megatron_dataset,
+)
 
 if TYPE_CHECKING:
     from planner.sources.textenc import TextEncoder
@@ -104,6 +109,10 @@ class LengthTable:
     records it as ``dataset.tokenizer``); None: token ids or lengths."""
     cached_files: int = 0
     """A text corpus: how many files' counts came from their lengths cache (not tokenized)."""
+    megatron_unit: str = ""
+    """What a sample of the Megatron files is, ``document`` or ``sequence``
+    (``read_lengths(megatron_unit=...)``; a plan records it as ``dataset.megatron_unit``); empty:
+    the dataset has no Megatron file."""
 
     def __post_init__(self) -> None:
         # A public constructor (notebooks, benchmarks build tables from arrays): bad input is a
@@ -140,7 +149,7 @@ def _strict_digits(a: NDArray[np.uint8], ends: NDArray[np.intp]) -> NDArray[np.i
     return values if _parse_digit_lines(a, values) else None
 
 
-@numba.njit(cache=True)
+@kernel
 def _parse_digit_lines(a: NDArray[np.uint8], values: NDArray[np.int64]) -> bool:
     """One pass: every newline-ended line's value into ``values``; False at the first byte that
     is not a digit, an empty line or one of more than ``_MAX_DIGITS`` digits. (Bytes after the
@@ -239,10 +248,12 @@ def detect_format(path: str) -> tuple[str, str]:
     return fmt, path
 
 
-def _read_file(given: str, bad: BadRecords, field: str | None,
-               text: _TextRead | None = None) -> tuple[str, NDArray[np.int64]]:
-    """(format, lengths) of one file; bad records go to ``bad`` with file-local indices."""
+def _read_file(given: str, bad: BadRecords, field: str | None, unit: str = DEFAULT_UNIT,
+               text: _TextRead | None = None) -> tuple[str, NDArray[np.int64], tuple[int, int]]:
+    """(format, lengths, (sequences, documents)) of one file; bad records go to ``bad`` with
+    file-local indices. The counts are a Megatron file's (0, 0 for other formats)."""
     fmt, source = detect_format(given)
+    counts = (0, 0)
     if text is not None:
         lengths = text.read(source, fmt, field, bad)
     elif fmt == "jsonl":
@@ -252,12 +263,14 @@ def _read_file(given: str, bad: BadRecords, field: str | None,
     elif fmt == "arrow":
         lengths = read_arrow(source, field, bad)
     elif fmt == "megatron":
-        lengths = read_megatron(source, bad)
+        samples = read_megatron(source, bad, unit)
+        lengths = samples.lengths
+        counts = (samples.num_sequences, samples.num_documents)
     else:
         lengths = _read_text(source, bad)
     if len(lengths) == 0:
         raise ValueError(f"{given}: no samples (the file is empty)")
-    return fmt, lengths
+    return fmt, lengths, counts
 
 
 class _TextRead:
@@ -304,6 +317,7 @@ def read_lengths(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
                  skip_bad_records: bool = False, field: str | None = None,
                  progress: Callable[[int, int], None] | None = None,
                  notice: Callable[[str], None] | None = None,
+                 megatron_unit: str = DEFAULT_UNIT,
                  encoder: TextEncoder | None = None, use_cache: bool = True,
                  text_progress: Callable[[int, int], None] | None = None) -> LengthTable:
     """Read the token count of every sample of a dataset, in file order.
@@ -320,6 +334,8 @@ def read_lengths(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
         progress: called as ``progress(files_done, files_total)`` after each file.
         notice: told of every dcp plan a directory or glob held (left out: a plan is not
             data); default: a ``UserWarning``.
+        megatron_unit: what a sample of a Megatron file is: ``document`` (its sequences'
+            tokens, concatenated) or ``sequence`` (``planner.sources.megatron``).
         encoder: a text corpus (``planner.sources.text``): each record's ``field`` (default
             ``text``) is tokenized and its token count is the length; the table records the
             tokenizer. JSONL, Parquet and Arrow files only.
@@ -336,6 +352,8 @@ def read_lengths(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
         os.fspath(p) for p in path]
     if not items:
         raise ValueError("no dataset given")
+    if megatron_unit not in UNITS:
+        raise ValueError(f"Megatron unit {megatron_unit!r} is not one of {', '.join(UNITS)}")
     files = expand_paths(items, DATASET_SUFFIXES, notice=notice or _warn)
     parts: list[NDArray[np.int64]] = []
     skipped: list[NDArray[np.int64]] = []
@@ -346,7 +364,7 @@ def read_lengths(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
                                                   [name for name, _ in files])
     for j, (name, group) in enumerate(files):
         bad = BadRecords(skip=skip_bad_records)
-        fmt, lengths = _read_file(name, bad, field, text)
+        fmt, lengths, counts = _read_file(name, bad, field, megatron_unit, text)
         if field is not None and fmt in ("megatron", "text") and not warned:
             warnings.warn(f"field={field!r} is ignored for {fmt} datasets", stacklevel=2)
             warned = True
@@ -354,7 +372,8 @@ def read_lengths(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
         skipped.append(bad.indices() + start)
         infos.append(DataFile(path=name, format=fmt, num_samples=len(lengths),
                               num_tokens=int(lengths.sum()),
-                              fingerprint=fingerprint_lengths(lengths), group=group))
+                              fingerprint=fingerprint_lengths(lengths), group=group,
+                              num_sequences=counts[0], num_documents=counts[1]))
         start += len(lengths)
         if progress is not None:
             progress(j + 1, len(files))
@@ -364,8 +383,10 @@ def read_lengths(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
     if len(all_skipped) == len(all_lengths):
         raise ValueError(f"{given}: all {len(all_lengths)} samples are bad records")
     formats = {f.format for f in infos}
+    unit = megatron_unit if "megatron" in formats else ""
     return LengthTable(path=given, format=formats.pop() if len(formats) == 1 else "mixed",
                        lengths=all_lengths, skipped=all_skipped, files=tuple(infos),
                        field=field if text is None else field or "text",
+                       megatron_unit=unit,
                        tokenizer=None if encoder is None else encoder.spec.to_dict(),
                        cached_files=0 if text is None else text.cached)

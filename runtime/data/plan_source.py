@@ -8,7 +8,9 @@ the Megatron and torchtitan adapters call, so they all read and check a dataset 
    samples), so training does not stop on the line the planner skipped; and the tokens are
    read from the field the plan was made with (``dcp-plan --field``, the header's
    ``dataset.field``; ``field=`` overrides it, ``planner.sources.fieldname``), every file's
-   first sample decoded once so a field that holds lengths, not tokens, fails here;
+   first sample decoded once so a field that holds lengths, not tokens, fails here; a Megatron
+   file is read in the plan's unit (``dataset.megatron_unit``: documents or sequences; none
+   recorded: sequences, as plans made before it was recorded were);
 2. the lengths fingerprint (``PlanReader.check_dataset``): a changed, reordered, truncated or
    extended dataset is refused;
 3. with ``dcp-plan --fingerprint content``, the content fingerprint (``verify_content``): every
@@ -42,7 +44,7 @@ from planner.sources.content import CHUNK_TOKENS, block_digest, block_starts, fi
 from planner.sources.dataset import file_identity
 from planner.sources.fieldname import field_hint, replay_field
 from runtime.data.plan_reader import PlanReader
-from runtime.data.tokens import TokenSource, open_token_source, read_segments
+from runtime.data.tokens import MegatronTokens, TokenSource, open_token_source, read_segments
 
 __all__ = ["check_plan_source", "open_plan_source", "plan_skips_records", "verify_content"]
 
@@ -74,7 +76,8 @@ def open_plan_source(reader: PlanReader, paths: Paths, *,
     recorded = reader.header.dataset.field
     try:
         source = open_token_source(paths, skip_bad_records=plan_skips_records(reader),
-                                   field=replay_field(recorded, field))
+                                   field=replay_field(recorded, field),
+                                   megatron_unit=reader.header.dataset.replay_megatron_unit)
     except ValueError as e:
         message = str(e)
         if message.endswith(": no such file"):
@@ -101,8 +104,21 @@ def open_plan_source(reader: PlanReader, paths: Paths, *,
 def check_plan_source(reader: PlanReader, source: TokenSource) -> None:
     """Steps 2 and 3 of the module docstring for a source the caller opened (collective with
     content fingerprints, as ``open_plan_source``)."""
+    _check_megatron_unit(reader, source)
     reader.check_dataset(source.lengths(), _names(reader, source))
     verify_content(reader, source)
+
+
+def _check_megatron_unit(reader: PlanReader, source: TokenSource) -> None:
+    """A caller's own source must read Megatron files in the plan's unit: read in the other one
+    the lengths fingerprint would refuse it as a changed dataset, which it is not."""
+    want = reader.header.dataset.replay_megatron_unit
+    for part in getattr(source, "sources", [source]):
+        if isinstance(part, MegatronTokens) and part.unit != want:
+            raise ValueError(f"{part.prefix}: read as Megatron {part.unit}s, {reader.path} was "
+                             f"planned on {want}s (its header's dataset.megatron_unit): open it "
+                             f"with open_token_source(..., megatron_unit={want!r}), or with "
+                             "open_plan_source, which reads the plan's unit")
 
 
 def _names(reader: PlanReader, source: TokenSource) -> list[str]:

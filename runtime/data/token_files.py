@@ -1,14 +1,12 @@
 """Token sources over files and memory: one reader per format (see ``runtime.data.tokens``).
 
 Each class implements ``runtime.data.tokens.TokenSource`` (and ``read_many`` for one vectorised
-gather
-per microbatch): ``ArrayTokens`` (in memory), ``MegatronTokens`` (``np.memmap`` of ``.bin``,
-pointers and dtype from the ``.idx`` via ``planner.sources.lengths``) and ``ArrowTokens`` (Arrow
-IPC file
-or stream, memory-mapped; Parquet by row group with an LRU of decoded row groups). A bad record
-(null row, null token, length <= 0) has length 0 as ``planner.sources.lengths`` counts it when
-skipping,
-so the dataset fingerprint matches the plan's and a plan never asks for it.
+gather per microbatch): ``ArrayTokens`` (in memory), ``MegatronTokens`` (``np.memmap`` of
+``.bin``; documents or sequences, pointers and dtype from the ``.idx`` via
+``planner.sources.megatron``) and ``ArrowTokens`` (Arrow IPC file or stream, memory-mapped;
+Parquet by row group with an LRU of decoded row groups). A bad record (null row, null token,
+length <= 0) has length 0 as ``planner.sources.lengths`` counts it when skipping, so the dataset
+fingerprint matches the plan's and a plan never asks for it.
 """
 
 from __future__ import annotations
@@ -25,8 +23,8 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 from numpy.typing import NDArray
 
-from planner.sources.formats import ARROW_ERRORS, DEFAULT_FIELDS, LIST_FIELDS
-from planner.sources.lengths import read_megatron_index
+from planner.sources.formats import ARROW_ERRORS, DEFAULT_FIELDS, LIST_FIELDS, MAX_LENGTH
+from planner.sources.megatron import DEFAULT_UNIT, read_megatron_samples
 from runtime.data.shard import ranges_to_indices
 
 TOKEN_FIELDS = tuple(f for f in DEFAULT_FIELDS if f in LIST_FIELDS)
@@ -104,16 +102,24 @@ class ArrayTokens:
 
 
 class MegatronTokens:
-    """A Megatron ``.bin``/``.idx`` pair, memory-mapped; ``prefix`` is the path without suffix."""
+    """A Megatron ``.bin``/``.idx`` pair, memory-mapped; ``prefix`` is the path without suffix.
 
-    def __init__(self, prefix: str | os.PathLike[str]) -> None:
+    A sample is a ``unit`` (``planner.sources.megatron``): a document, whose tokens are its
+    sequences' concatenated (they lie back to back in ``.bin``, so a document is one slice), or
+    one sequence. A plan's unit is its header's (``open_plan_source`` passes it).
+    """
+
+    def __init__(self, prefix: str | os.PathLike[str], unit: str = DEFAULT_UNIT) -> None:
         self.prefix = str(prefix)
-        lengths, pointers, dtype = read_megatron_index(self.prefix)
-        # A sequence of length <= 0 is a bad record; planner.sources.lengths counts it as 0.
-        self._lengths = np.maximum(np.asarray(lengths, dtype=np.int64), 0)
-        self._dtype = np.dtype(dtype)
-        # Byte pointers -> element offsets into the memmapped .bin.
-        self._starts = np.asarray(pointers, dtype=np.int64) // self._dtype.itemsize
+        self.unit = unit
+        samples = read_megatron_samples(self.prefix, unit)
+        # A sample of length <= 0 is a bad record; planner.sources.lengths counts it as 0 (and
+        # one past the int32 a plan holds too: no plan can ask for it).
+        lengths = np.asarray(samples.lengths, dtype=np.int64)
+        self._lengths = np.where((lengths > 0) & (lengths <= MAX_LENGTH), lengths, 0)
+        self._dtype = np.dtype(samples.dtype)
+        # Element offsets into the memmapped .bin.
+        self._starts = np.asarray(samples.starts, dtype=np.int64)
         path = self.prefix + ".bin"
         try:
             size = os.path.getsize(path)
@@ -126,7 +132,7 @@ class MegatronTokens:
         need = int(ends.max()) * self._dtype.itemsize if len(ends) else 0
         if size < need:
             last = int(np.argmax(ends * self._dtype.itemsize > size))
-            raise ValueError(f"{path}: holds {size} bytes, its index addresses {need} (sequence "
+            raise ValueError(f"{path}: holds {size} bytes, its index addresses {need} ({unit} "
                              f"{last} and later lie past the end: truncated?)")
         usable = size // self._dtype.itemsize
         self._bin = (np.memmap(path, dtype=self._dtype, mode="r", shape=(usable,)) if usable

@@ -19,7 +19,7 @@ Formats:
   decoded row groups up to ``cache_bytes``; a plan drawn at random over a dataset much larger
   than that decodes a row group per row, so prefer IPC or Megatron files for training.
 - Megatron indexed dataset (``MegatronTokens``): ``np.memmap`` of the ``.bin`` file, pointers and
-  dtype from the ``.idx``.
+  dtype from the ``.idx``; a sample is a document (its sequences, concatenated) or a sequence.
 - ``ArrayTokens``: sequences already in memory (synthetic data, tests, benchmarks).
 - Compressed JSONL (``.jsonl.gz``, ``.jsonl.zst``): decoded once into an ``ArrayTokens``
   (a stream cannot be seeked into).
@@ -44,6 +44,7 @@ from numpy.typing import NDArray
 
 from planner.sources.dataset import expand_paths
 from planner.sources.lengths import DATASET_SUFFIXES
+from planner.sources.megatron import DEFAULT_UNIT
 from runtime.data.shard import ranges_to_indices
 from runtime.data.token_files import ArrayTokens, ArrowTokens, MegatronTokens
 from runtime.data.token_jsonl import JsonlTokens, decode_compressed_jsonl, is_compressed
@@ -163,7 +164,7 @@ class ConcatTokens:
 
 
 def _open_one(p: Path, *, skip_bad_records: bool = False, field: str | None = None,
-              **kwargs: object) -> TokenSource:
+              megatron_unit: str = DEFAULT_UNIT, **kwargs: object) -> TokenSource:
     suffix = p.suffix.lower()
     if not os.path.lexists(p) and not (suffix in (".bin", ".idx") and p.with_suffix(
             ".idx").is_file()) and not Path(f"{p}.idx").is_file():
@@ -177,16 +178,16 @@ def _open_one(p: Path, *, skip_bad_records: bool = False, field: str | None = No
         return ArrowTokens(p, field, **kwargs)  # type: ignore[arg-type]
     # A Megatron .bin has no fields (the planner ignores --field for it too).
     if suffix in (".bin", ".idx"):
-        return MegatronTokens(p.with_suffix(""))
+        return MegatronTokens(p.with_suffix(""), megatron_unit)
     if Path(str(p) + ".idx").is_file():
-        return MegatronTokens(p)
+        return MegatronTokens(p, megatron_unit)
     raise ValueError(f"{p}: unknown dataset format (expected .jsonl (also .gz, .zst), .arrow, "
                      ".parquet or a Megatron .bin/.idx prefix)")
 
 
 def open_token_source(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
                       *, skip_bad_records: bool = False, field: str | None = None,
-                      **kwargs: object) -> TokenSource:
+                      megatron_unit: str = DEFAULT_UNIT, **kwargs: object) -> TokenSource:
     """Open a dataset by extension: .jsonl/.json (also .gz/.zst), .arrow/.feather/.ipc,
     .parquet/.pq, or a Megatron ``.bin``/``.idx`` (either file, or the prefix without suffix);
     or several of these, a directory or a glob (in ``planner.sources.dataset``'s order) as one
@@ -195,6 +196,9 @@ def open_token_source(path: str | os.PathLike[str] | Sequence[str | os.PathLike[
     ``field`` names the JSONL record field or the Parquet/Arrow column holding the tokens, as
     ``dcp-plan --field`` did (default: ``input_ids``, then ``tokens``); Megatron files have no
     fields. ``runtime.data.plan_source.open_plan_source`` passes the plan's recorded field.
+
+    ``megatron_unit`` is what a sample of a Megatron file is, ``document`` (as ``dcp-plan``
+    plans by default) or ``sequence``; ``open_plan_source`` passes the plan's.
 
     ``skip_bad_records`` reads the dataset as ``dcp-plan --skip-bad-records`` did: a bad JSONL
     record becomes an empty sample instead of an error (the columnar and Megatron sources
@@ -205,12 +209,12 @@ def open_token_source(path: str | os.PathLike[str] | Sequence[str | os.PathLike[
     files = [f for f, _ in expand_paths(items, DATASET_SUFFIXES)]
     if len(files) == 1 and len(items) == 1 and files[0] == items[0]:
         return _open_one(Path(files[0]), skip_bad_records=skip_bad_records, field=field,
-                         **kwargs)
+                         megatron_unit=megatron_unit, **kwargs)
     sources: list[TokenSource] = []
     try:
         for f in files:
             sources.append(_open_one(Path(f), skip_bad_records=skip_bad_records, field=field,
-                                     **kwargs))
+                                     megatron_unit=megatron_unit, **kwargs))
     except BaseException:
         for s in sources:
             close = getattr(s, "close", None)

@@ -144,7 +144,7 @@ def test_megatron_bin_truncated_after_planning(tmp_path: Path) -> None:
     bin_path = tmp_path / "ds.bin"
     bin_path.write_bytes(bin_path.read_bytes()[:-301])
     with pytest.raises(ValueError, match=r"ds\.bin: holds 3699 bytes, its index addresses 4000 "
-                                         r"\(sequence 18 and later"):
+                                         r"\(document 18 and later"):
         open_token_source(prefix)
 
 

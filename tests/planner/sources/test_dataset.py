@@ -18,8 +18,8 @@ from planner.plan import make_plan
 from planner.planfile.io import PlanFile
 from planner.planfile.validate import validate
 from planner.sources.dataset import blend_counts, expand_paths, parse_data_path
-from planner.sources.formats import write_megatron_dataset
 from planner.sources.lengths import DATASET_SUFFIXES, read_lengths
+from planner.sources.megatron import write_megatron_dataset
 
 ROOT = Path(__file__).resolve().parents[3]
 SAMPLE = ROOT / "data" / "sample.jsonl"

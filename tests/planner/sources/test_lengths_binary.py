@@ -71,8 +71,10 @@ def test_megatron_header_layout(tmp_path: Path) -> None:
 def test_megatron_errors(tmp_path: Path) -> None:
     prefix = tmp_path / "ds"
     write_megatron_dataset(prefix, [[1, 2], [], [3]])
-    with pytest.raises(ValueError, match=r"ds\.idx: sequence 1: length 0; lengths must be"):
+    with pytest.raises(ValueError, match=r"ds\.idx: document 1: length 0; lengths must be"):
         read_lengths(prefix)
+    with pytest.raises(ValueError, match=r"ds\.idx: sequence 1: length 0; lengths must be"):
+        read_lengths(prefix, megatron_unit="sequence")
     assert read_lengths(prefix, skip_bad_records=True).skipped.tolist() == [1]
     idx = (tmp_path / "ds.idx").read_bytes()
     for name, data, message in [

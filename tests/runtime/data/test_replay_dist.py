@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from planner.sources.formats import write_megatron_dataset
+from planner.sources.megatron import write_megatron_dataset
 from runtime.data.plan_reader import PlanReader
 from runtime.data.replay import Replayer
 from runtime.data.shard import shard_indices_np

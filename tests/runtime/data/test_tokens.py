@@ -56,7 +56,7 @@ def write_parquet(path: Path, docs: list[np.ndarray], row_group_size: int) -> Pa
 
 
 def write_megatron(prefix: Path, docs: list[np.ndarray]) -> Path:
-    from planner.sources.formats import write_megatron_dataset
+    from planner.sources.megatron import write_megatron_dataset
 
     write_megatron_dataset(prefix, docs, dtype=np.uint16)
     return prefix

@@ -139,7 +139,7 @@ def test_data_path_only_names_the_plans_own_files(tmp_path: Path) -> None:
     the plan was made for; the plan's files come back, for their fingerprint check."""
     import numpy as np
 
-    from planner.sources.formats import write_megatron_dataset
+    from planner.sources.megatron import write_megatron_dataset
 
     rng = np.random.default_rng(0)
     write_megatron_dataset(tmp_path / "corpus", [rng.integers(0, 64, size=int(n))
