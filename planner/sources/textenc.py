@@ -156,6 +156,11 @@ def load_encoder(path: str | Path, *, bos: str = "tokenizer", append_eod: bool =
     except Exception as e:  # tokenizers raises its own Exception type for any bad file
         raise ValueError(f"tokenizer {f}: not a Hugging Face tokenizer.json "
                          f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    # A document's tokens are all of its tokens, alone: a tokenizer.json may carry padding
+    # (a batch padded to its longest: counts that depend on the batch) or truncation (a
+    # BERT-style max_length: documents cut short), which plans and training must not inherit.
+    tok.no_padding()
+    tok.no_truncation()
 
     def token_id(given: str | None, key: str, flag: str, token_flag: str) -> int:
         name = given if given is not None else _config_token(f.parent, key)

@@ -262,3 +262,20 @@ def test_a_hugging_face_dataset_as_saved_or_exported_plans(tmp_path: Path, tok: 
     assert read_lengths(tmp_path / "train.parquet", encoder=enc).lengths.tolist() == want
     with pytest.raises(ValueError, match="a Hugging Face DatasetDict .* give one split's folder"):
         read_lengths(tmp_path / "dict", encoder=enc)
+
+
+def test_a_tokenizer_files_padding_and_truncation_are_not_inherited(tmp_path: Path,
+                                                                     tok: Path) -> None:
+    from tokenizers import Tokenizer
+
+    t = Tokenizer.from_file(str(tok / "tokenizer.json"))
+    t.enable_padding(pad_id=0, pad_token="<s>")
+    t.enable_truncation(max_length=8)
+    padded = tmp_path / "padded"
+    padded.mkdir()
+    t.save(str(padded / "tokenizer.json"))
+    docs = texts(50)
+    data = _jsonl(tmp_path / "c.jsonl", docs)
+    want = read_lengths(data, encoder=load_encoder(tok), use_cache=False).lengths.tolist()
+    assert max(want) > 8  # truncation would have cut these, padding lengthened the short ones
+    assert read_lengths(data, encoder=load_encoder(padded)).lengths.tolist() == want
