@@ -49,6 +49,9 @@ def cmd_validate(argv: list[str]) -> int:
             # the field: the flag is needed only for a plan that recorded none.
             skip = args.skip_bad_records or f.header.skips_bad_records
             encoder = None
+            if args.tokenizer is not None and not f.header.dataset.tokenizer:
+                raise ValueError(f"--tokenizer {args.tokenizer}: {args.plan} is a plan of token "
+                                 "ids (its header records no tokenizer); give it without")
             if f.header.dataset.tokenizer:  # a text plan: count with its tokenizer
                 from planner.sources.text import plan_encoder
 
