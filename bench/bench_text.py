@@ -1,145 +1,161 @@
-"""On-the-fly tokenization against pre-tokenized data: host time per training step and at open.
+"""How fast a text corpus plans (``dcp-plan DATA --tokenizer``) and tokenizes (``dcp-plan
+tokenize``): documents/s and tokens/s, and where the time goes.
 
-The README's example (``dcp-plan data/sample.jsonl --dp 2 --cp 2 --max-tokens-per-rank 2048
---global-batch-size 8 --long-sequences split``, 4 ranks) with a text corpus in place of its
-token ids: one document per sample of ``data/sample.jsonl``, of about that sample's length in
-tokens (pseudo-words drawn Zipf-like from a 20,000-word lexicon), tokenized by a byte-level BPE
-of ``--vocab-size`` ids trained here on the corpus (nothing fetched). The corpus's counts plan
-the ids twin (the same records as token ids, JSONL ``input_ids``: what the README trains on) and
-the text plan is that plan with a text header (``tests.text.plans``), so both have the very same
-steps. For every step and every pool rank it times what a rank's data path does per step:
-``reader.step`` plus ``build_microbatch`` of each of its microbatches (the rows' tokens read,
-positions, labels, loss mask), once from each source; and the one-off cost of opening each
-source (the text source counts every record; the JSONL source builds its line index).
+The corpus is built from a folder of text files (default: the Python documentation's reST
+sources, Debian's ``python3-doc``, ``/usr/share/doc/python3/html/_sources``): every file is cut
+into paragraphs, grouped into documents of a long-tail size mix (log-normal, median about 1.5
+KB, as web-corpus documents are), repeated ``--repeat`` times, and written as JSONL, JSONL.zst and
+Parquet (a ``text`` column). Nothing is fetched: the tokenizer is a ``tokenizer.json`` given by
+path (``--tokenizer``: for the numbers in BENCHMARKS.md, Llama 3's, 128,256 ids).
+
+Timed, each once, page cache warm:
+
+- ``parse``: the JSONL read alone (``planner.sources.text.iter_texts``: UTF-8 decode and
+  ``json.loads`` per record), no tokenizer;
+- ``encode``: the tokenizer alone on the parsed texts (``TextEncoder.count``);
+- ``plan read``: ``read_lengths(..., encoder=...)`` without the cache, per format (what
+  ``dcp-plan --tokenizer`` spends before planning);
+- ``cached``: the same read with a warm lengths cache (the content hash and the cache read);
+- ``tokenize``: ``tokenize_dataset`` to a Megatron dataset (encode, ids, write), per
+  ``--workers`` value.
 
 Usage:
-    .venv/bin/python bench/bench_text.py [--steps 250] [--vocab-size 32000] [--threads N]
+    .venv/bin/python bench/bench_text.py --tokenizer PATH [--source DIR] [--repeat 2]
+        [--workers 1,2] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from planner.cli import main as plan_main  # noqa: E402
-from planner.sources.textenc import load_encoder  # noqa: E402
-from runtime.data.batch import build_microbatch  # noqa: E402
-from runtime.data.plan_reader import PlanReader  # noqa: E402
-from runtime.data.plan_source import open_plan_source  # noqa: E402
-from tests.text.plans import rewrite_as_text, write_text  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
-README_PLAN = ["--dp", "2", "--cp", "2", "--max-tokens-per-rank", "2048",
-               "--global-batch-size", "8", "--long-sequences", "split"]
+DEFAULT_SOURCE = "/usr/share/doc/python3/html/_sources"
+T = TypeVar("T")
 
 
-def corpus(lengths: np.ndarray, seed: int, words_per_token: float) -> list[str]:
-    """One document per length, of about ``words_per_token * length`` pseudo-words."""
+def build_corpus(source: Path, repeat: int, seed: int = 0) -> list[str]:
+    """Documents of paragraphs from every text file under ``source`` (sorted), ``repeat``
+    times, each pass grouped with other sizes."""
+    files = sorted(p for p in source.rglob("*.txt") if p.is_file())
+    if not files:
+        raise SystemExit(f"{source}: no .txt files (install python3-doc or give --source)")
+    paras = [p.strip() for f in files for p in f.read_text(errors="replace").split("\n\n")
+             if p.strip()]
     rng = np.random.default_rng(seed)
-    letters = np.array(list("etaoinshrdlucmfwypvbgkjqxz"))
-    lexicon = ["".join(rng.choice(letters, size=int(k))) for k in rng.integers(2, 11, 20_000)]
-    weights = 1.0 / np.arange(1, len(lexicon) + 1)
-    weights /= weights.sum()
-    return [" ".join(lexicon[j] for j in rng.choice(len(lexicon), size=max(1, int(
-        n * words_per_token)), p=weights)) + "." for n in lengths]
+    docs: list[str] = []
+    for _ in range(repeat):
+        i = 0
+        while i < len(paras):
+            target = rng.lognormal(np.log(1500), 1.0)
+            size, j = 0, i
+            while j < len(paras) and size < target:
+                size += len(paras[j])
+                j += 1
+            docs.append("\n\n".join(paras[i:j]))
+            i = j
+    return docs
 
 
-def train_tokenizer(folder: Path, docs: list[str], vocab_size: int) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def write_formats(docs: list[str], folder: Path) -> dict[str, Path]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(docs, trainer=trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<s>", "</s>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
-    return folder / "tokenizer.json"
+    jsonl = folder / "corpus.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    zst = folder / "corpus.jsonl.zst"
+    zst.write_bytes(zstandard.ZstdCompressor(level=3).compress(jsonl.read_bytes()))
+    parquet = folder / "corpus.parquet"
+    pq.write_table(pa.table({"text": docs}), parquet, row_group_size=8192)
+    return {"jsonl": jsonl, "jsonl.zst": zst, "parquet": parquet}
 
 
-def step_times(reader: PlanReader, data: Path, steps: int) -> tuple[float, np.ndarray]:
-    """(seconds to open the source, the mean over ranks; seconds per (step, rank) of
-    reader.step + every microbatch of that rank). Each rank opens its own source, as its
-    process would (the text source's cache of recent records is per process)."""
-    out = np.zeros((steps, reader.pool_size))
-    opened = []
-    for rank in range(reader.pool_size):
-        for cache in data.parent.glob("*.dcpidx"):
-            cache.unlink()  # the JSONL index built at open, as on a first run
-        t0 = time.perf_counter()
-        source = open_plan_source(reader, [str(data)])
-        opened.append(time.perf_counter() - t0)
-        for s in range(steps):
-            t0 = time.perf_counter()
-            step = reader.step(s)
-            for m in range(step.num_microbatches):
-                build_microbatch(step.group_for(m, rank), source, layout=reader.layout)
-            out[s, rank] = time.perf_counter() - t0
-    return float(np.mean(opened)), out
+def timed(fn: Callable[[], T]) -> tuple[float, T]:
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, out
+
+
+def _tokenize_in_child(tokenizer: str, data: Path, prefix: Path, workers: int) -> float:
+    """``tokenize_dataset`` in a fresh process (the tokenizer's thread count is fixed at its
+    first use, so each ``--workers`` needs its own process)."""
+    code = (f"import sys, time; sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})\n"
+            "from planner.sources.textenc import load_encoder\n"
+            "from planner.sources.pretokenize import tokenize_dataset\n"
+            f"e = load_encoder({tokenizer!r}); t = time.perf_counter()\n"
+            f"tokenize_dataset([{str(data)!r}], e, {str(prefix)!r}, overwrite=True)\n"
+            "print(time.perf_counter() - t)\n")
+    env = {**os.environ, "RAYON_NUM_THREADS": str(workers)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=250, help="steps timed (from step 0)")
-    ap.add_argument("--vocab-size", type=int, default=32000, help="the BPE's vocabulary")
-    ap.add_argument("--threads", type=int, default=0,
-                    help="RAYON_NUM_THREADS of the tokenizer (0: its default, every core)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokenizer", required=True, help="tokenizer.json or its folder")
+    ap.add_argument("--source", default=DEFAULT_SOURCE, help="folder of .txt files")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--workers", default="1,2", help="tokenizer threads to time tokenize with")
+    ap.add_argument("--out", default="", help="folder for the corpus (default: a temporary)")
     args = ap.parse_args()
-    if args.threads:
-        os.environ["RAYON_NUM_THREADS"] = str(args.threads)
-    lengths = np.array([len(json.loads(x)["input_ids"])
-                        for x in (REPO / "data/sample.jsonl").read_text().splitlines()])
-    with tempfile.TemporaryDirectory() as name:
-        tmp = Path(name)
-        docs = corpus(lengths, args.seed, 1.0)
-        tokenizer = train_tokenizer(tmp / "tok", docs, args.vocab_size)
-        encoder = load_encoder(tokenizer, append_eod=True)
-        ratio = float(lengths.sum() / encoder.count(docs).sum())
-        docs = corpus(lengths, args.seed, ratio)  # about the sample's lengths in tokens
-        ids = encoder.encode(docs)
-        text = write_text(tmp / "corpus.jsonl", docs)
-        ids_path = tmp / "ids.jsonl"
-        ids_path.write_text("".join(json.dumps({"input_ids": t.tolist()}) + "\n" for t in ids))
-        ids_plan = tmp / "ids.arrow"
-        assert plan_main([str(ids_path), "-o", str(ids_plan), "--quiet", *README_PLAN]) == 0
-        text_plan = rewrite_as_text(ids_plan, tmp / "text.arrow", text, encoder)
-        num_tokens = int(sum(len(t) for t in ids))
-        print(f"corpus: {len(docs)} documents, {num_tokens:,} tokens ({text.stat().st_size:,} "
-              f"bytes of text, {ids_path.stat().st_size:,} of token-id JSONL), BPE of "
-              f"{encoder.spec.vocab_size} ids; tokenizer threads "
-              f"{os.environ.get('RAYON_NUM_THREADS', 'default')}, {os.cpu_count()} cores")
-        rows = []
-        for label, plan, data in (("token ids (JSONL)", ids_plan, ids_path),
-                                  ("text (JSONL), tokenized", text_plan, text)):
-            with PlanReader(plan) as reader:
-                steps = min(args.steps, reader.num_steps)
-                opened, t = step_times(reader, data, steps)
-                rows.append((label, opened, t * 1e3))
-        print(f"{steps} steps of the README plan (pool 4), ms per step per rank "
-              "(reader.step + every microbatch of the rank):")
-        print(f"{'source':<26} {'open s':>7} {'mean':>7} {'p50':>7} {'p90':>7} {'max':>7}")
-        for label, opened, t in rows:
-            print(f"{label:<26} {opened:>7.2f} {t.mean():>7.2f} {np.median(t):>7.2f} "
-                  f"{np.percentile(t, 90):>7.2f} {t.max():>7.2f}")
-        base = rows[0][2]
-        extra = rows[1][2] - base
-        print(f"overhead of tokenizing on the fly: mean {extra.mean():+.2f} ms per step per "
-              f"rank (p90 {np.percentile(extra, 90):+.2f}, max {extra.max():+.2f}); open "
-              f"{rows[1][1] - rows[0][1]:+.2f} s, {num_tokens / max(rows[1][1], 1e-9):,.0f} "
-              "tokens/s counted")
+
+    from planner.sources.formats import BadRecords
+    from planner.sources.lengths import read_lengths
+    from planner.sources.text import iter_texts, text_pieces
+    from planner.sources.textenc import load_encoder
+
+    folder = Path(args.out or tempfile.mkdtemp(prefix="bench-text-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ["XDG_CACHE_HOME"] = str(folder / "xdg")
+    docs = build_corpus(Path(args.source), args.repeat)
+    files = write_formats(docs, folder)
+    enc = load_encoder(args.tokenizer)
+    mb = files["jsonl"].stat().st_size / 1e6
+    print(f"corpus: {len(docs):,} documents, {mb:.1f} MB of JSONL ({args.source}, x{args.repeat})"
+          f"; tokenizer {enc.spec.path} (vocabulary {enc.spec.vocab_size:,}, sha256 "
+          f"{enc.spec.sha256[:12]}); {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
+    rows: list[tuple[str, float, int, int]] = []
+    parse_s, texts = timed(lambda: [t for b in iter_texts(str(files["jsonl"]), "jsonl", "text",
+                                                          BadRecords(skip=False))
+                                    for t in b.texts])
+    n_docs = len(texts)
+    # In the readers' pieces (BATCH_CHARS each), as count_lengths calls it.
+    encode_s, counts = timed(lambda: [enc.count(texts[a:b]) for a, b in text_pieces(texts)])
+    n_tok = sum(int(c.sum()) for c in counts)
+    rows += [("parse JSONL only", parse_s, n_docs, 0), ("tokenizer only", encode_s, n_docs, n_tok)]
+    for name, path in files.items():
+        s, table = timed(functools.partial(read_lengths, path, encoder=enc, use_cache=False))
+        assert int(table.lengths.sum()) == n_tok, name
+        rows.append((f"plan read, {name}", s, n_docs, n_tok))
+    read_lengths(files["jsonl"], encoder=enc)  # writes the cache
+    s, table = timed(lambda: read_lengths(files["jsonl"], encoder=enc))
+    assert table.cached_files == 1
+    rows.append(("plan read, jsonl, cached", s, n_docs, n_tok))
+    for w in [int(x) for x in args.workers.split(",") if x]:
+        s = _tokenize_in_child(args.tokenizer, files["jsonl"], folder / "mg", w)
+        rows.append((f"tokenize, jsonl, {w} thread{'s' if w > 1 else ''}", s, n_docs, n_tok))
+    print("| what | s | documents/s | tokens/s | MB/s of JSONL |")
+    print("|---|---|---|---|---|")
+    for what, s, d, t in rows:
+        print(f"| {what} | {s:.2f} | {d / s:,.0f} | {t / s:,.0f} | {mb / s:.1f} |"
+              if t else f"| {what} | {s:.2f} | {d / s:,.0f} | - | {mb / s:.1f} |")
+    print(f"tokens: {n_tok:,} ({n_tok / len(docs):.0f} per document); load after "
+          f"{os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

@@ -272,6 +272,7 @@ class PlanStream:
                                 files=[f.to_dict() for f in self.files],
                                 content_fingerprint=content_fingerprint(self.files),
                                 field=table.field or "",
+                                tokenizer=dict(table.tokenizer or {}),
                                 megatron_unit=table.megatron_unit),
             parallel=ParallelInfo(dp=p.dp, cp=p.cp, tp=p.tp, pp=p.pp, vpp=p.vpp,
                                   sequence_parallel=p.sequence_parallel, pool_size=p.pool_size,

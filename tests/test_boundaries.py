@@ -84,7 +84,7 @@ def test_the_runtime_loads_no_solver_through_planner_cli() -> None:
         assert loaded == [], f"import {module} loads {loaded}"
 
 def test_third_party_imports_stay_in_one_module_each() -> None:
-    ortools, te, titan, ray, mcore, mlm = [], [], [], [], [], []
+    ortools, te, titan, ray, mcore, mlm, hf = [], [], [], [], [], [], []
     for path in sorted((ROOT / "planner").rglob("*.py")) + sorted((ROOT / "runtime").rglob("*.py")):
         text = path.read_text()
         name = path.relative_to(ROOT).as_posix()
@@ -100,10 +100,13 @@ def test_third_party_imports_stay_in_one_module_each() -> None:
             mcore.append(name)
         if re.search(r"^\s*(from|import) megatron\.training", text, re.M):
             mlm.append(name)
+        if re.search(r"^\s*(from|import) tokenizers\b", text, re.M):
+            hf.append(name)
     assert ortools in ([], ["planner/solver/cpsat.py"])
     assert te in ([], ["runtime/attention/te.py"])
     assert titan in ([], ["runtime/adapters/torchtitan/titan.py"])
     assert ray == ["planner/solver/ray_engine.py"]
+    assert hf == ["planner/sources/textenc.py"]
     # The launcher's driver is a user's script of pretrain_gpt.py's shape: it imports Megatron.
     driver = "runtime/adapters/megatron_lm/pretrain_gpt.py"
     assert [m for m in mcore if m != driver] == ["runtime/adapters/megatron/compat/mcore.py"]

@@ -127,6 +127,21 @@ def test_first_five_minutes_run_on_four_ranks(checkout: Path) -> None:
     assert "dcp-train: 2 steps (0-1), loss " in errors[0]
 
 
+def test_text_corpus_example_runs(checkout: Path) -> None:
+    pytest.importorskip("tokenizers")
+    from planner.planfile.io import PlanFile
+
+    out = run_bash(block("README.md", "A text corpus", "bash"), checkout)
+    assert "tokenizer data/text/tokenizer.json (sha256 " in out
+    assert "EOD 1 appended)" in out
+    assert "wrote     plans/sample-text.bin, plans/sample-text.idx: 400 documents" in out
+    # As the page says: both plans have the same samples' lengths.
+    with PlanFile(checkout / "plans" / "text.arrow") as a, \
+            PlanFile(checkout / "plans" / "text-ids.arrow") as b:
+        assert a.header.dataset.fingerprint == b.header.dataset.fingerprint
+        assert a.header.dataset.tokenizer["vocab_size"] == 512
+
+
 def test_megatron_data_example_plans_documents_and_sequences(checkout: Path) -> None:
     # The .bin/.idx example: Megatron-core's builder writes 3 sequences per document; the
     # summary lines the README quotes are printed, and each plan holds its unit's samples.
@@ -233,7 +248,7 @@ def test_every_output_the_pages_name_is_ignored() -> None:
         named += re.findall(rf"(?:^|\s){flags}[ =]([\w./-]+)", text, re.M)
         named += re.findall(r"savefig\(\"([^\"]+)\"\)", text)
         named += re.findall(r"^`(my_\w+\.py)`:$", text, re.M)
-    outputs = sorted({n for n in named if not n.startswith(("FILE", "DIR", "PATH"))})
+    outputs = sorted({n for n in named if not n.startswith(("FILE", "DIR", "PATH", "PREFIX"))})
     assert {"plans/mine.arrow", "runs/ckpt", "runs/train.jsonl", "plans/setups.png",
             "plans/sample-report.html", "plans/cp-mix.png", "my_torchtitan_job.py",
             "my_megatron_job.py", "runs/moe.jsonl"} <= set(outputs)

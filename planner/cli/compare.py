@@ -32,6 +32,7 @@ from planner.cli.args import (
     seed_int,
 )
 from planner.cli.flags import FLAGS
+from planner.cli.textargs import add_tokenizer_arguments, encoder_from_args
 from planner.config import EFFORTS, LONG_SEQUENCE_POLICIES
 
 PROG = "dcp-plan compare"
@@ -92,12 +93,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--figure", metavar="FILE", default="",
                    help="also draw the comparison (PNG; .svg or .pdf by extension); replaces "
                    "only a figure, never an input or another kind of file")
+    add_tokenizer_arguments(p, required=False)
     add_json_arguments(p)
     return p
 
 
 def cmd_compare(argv: list[str]) -> int:
-    args = _parser().parse_intermixed_args(argv)
+    parser = _parser()
+    args = parser.parse_intermixed_args(argv)
+    encoder = encoder_from_args(parser, args)  # a text corpus: its token counts (cached)
     from planner.compare import Setup, evaluate, expand
     from planner.config import ParallelConfig, PlannerConfig
     from planner.cost import load_cost_model
@@ -119,7 +123,8 @@ def cmd_compare(argv: list[str]) -> int:
             raise ValueError(f"--figure {args.figure}: give a .png, .svg or .pdf file")
     if args.summary_json:
         check_output(args.summary_json, kind="summary", inputs=inputs, flag="--summary-json")
-    table = read_lengths(args.dataset, skip_bad_records=args.skip_bad_records, field=args.field)
+    table = read_lengths(args.dataset, skip_bad_records=args.skip_bad_records, field=args.field,
+                         encoder=encoder)
     setups = expand(args.pools, args.capacities)
     base = PlannerConfig(
         parallel=ParallelConfig(dp=1, cp=1, tp=args.tp, pp=args.pp,

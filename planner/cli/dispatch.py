@@ -1,6 +1,7 @@
 """`dcp-plan [COMMAND] ...`: the command line to a subcommand, and errors to exit statuses.
 
-The first word picks the subcommand (``validate``, ``show``, ``plan``, ``compare``, ``report``);
+The first word picks the subcommand (``validate``, ``show``, ``plan``, ``compare``, ``report``,
+``tokenize``);
 anything else is the default, ``plan``. User errors (``ValueError``, ``OSError``,
 ``EngineError``) print one line naming the flag, file or sample and exit 2, never a traceback;
 SIGTERM, SIGHUP, SIGQUIT, SIGUSR1 (``guard.ENDING_SIGNALS``) and Ctrl-C exit 128 + the signal
@@ -29,10 +30,11 @@ PROG = "dcp-plan"
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from planner.cli.compare import cmd_compare
+    from planner.cli.pretokenize import cmd_tokenize
     from planner.cli.report import cmd_report
 
     commands = {"validate": cmd_validate, "show": cmd_show, "plan": cmd_plan,
-                "compare": cmd_compare, "report": cmd_report}
+                "compare": cmd_compare, "report": cmd_report, "tokenize": cmd_tokenize}
     cmd = cmd_plan
     if argv and argv[0] in commands:
         cmd = commands[argv.pop(0)]

@@ -126,7 +126,8 @@ def add_dataset_arguments(p: argparse.ArgumentParser, *, required: bool) -> None
                    "a plan that skipped records records it, and validate skips them too)")
     p.add_argument("--field", help="record field (JSONL) or column (Parquet, Arrow) with tokens "
                    "or a length (default: input_ids, tokens, length, num_tokens, the first "
-                   "present); the plan records it, so dcp-train and validate read it too"
+                   "present; with --tokenizer, the text field: text); the plan records it, so "
+                   "dcp-train and validate read it too"
                    if required else "record field or column to read (default: the one the "
                    "plan was made with, its header's dataset.field); give it only for a "
                    "dataset whose field was renamed since planning: it is read, with a notice")

@@ -40,6 +40,7 @@ from planner.cli.guard import (
     input_files,
     print_notice,
 )
+from planner.cli.textargs import add_tokenizer_arguments, encoder_from_args, text_notice
 from planner.config import (
     EFFORTS,
     LONG_SEQUENCE_POLICIES,
@@ -56,7 +57,9 @@ USAGE = """dcp-plan [plan] DATASET... --dp D [--cp C] --max-tokens-per-rank CAP
        dcp-plan show PLAN [--steps A:B]       per-step table ('dcp-plan show --help')
        dcp-plan compare DATASET... --pools 8,16,64 --cp 2,4 --max-tokens-per-rank C,...
                                               compare setups ('dcp-plan compare --help')
-       dcp-plan report PLAN -o report.html   the plan as one HTML page"""
+       dcp-plan report PLAN -o report.html   the plan as one HTML page
+       dcp-plan tokenize TEXT... --tokenizer PATH -o PREFIX
+                                              text into a Megatron dataset (PREFIX.bin/.idx)"""
 EPILOG = """\
 commands:
   plan       (the default) plan DATASET and write the plan file
@@ -64,11 +67,13 @@ commands:
   show       print a plan's per-step table, or every row of one step
   compare    which pool and capacity to ask for: setups side by side on one dataset
   report     a plan as one self-contained HTML page (gain, summary, per-step figures)
+  tokenize   a text corpus into a Megatron indexed dataset (PREFIX.bin, PREFIX.idx), once
 
 datasets:
   DATASET is one or more files, directories or (quoted) globs, in the order given; a directory's
   or glob's files in sorted path order. Formats: .jsonl (also .jsonl.gz, .jsonl.zst), .parquet,
-  .arrow, Megatron .idx/.bin (a prefix), .txt (one length per line). Megatron's --data-path takes
+  .arrow, Megatron .idx/.bin (a prefix), .txt (one length per line); text (a 'text' field or
+  column, as Hugging Face datasets hold) with --tokenizer PATH. Megatron's --data-path takes
   optional weights: '--data-path 0.3 a.jsonl 0.7 shards/' draws 30% / 70% of every global batch
   from each entry (deterministic counts per step).
 
@@ -160,6 +165,10 @@ def _plan_parser() -> argparse.ArgumentParser:
                      help="take more microbatches than the fewest that fit only when that is "
                      "faster by more than F (relative); larger F gives fuller slots")
     add_engine_arguments(sol)
+    add_tokenizer_arguments(p, required=False)
+    p.add_argument("--no-lengths-cache", action="store_true",
+                   help="with --tokenizer: tokenize every file now, neither reading nor writing "
+                   "the token-count caches (FILE.<key>.dcplen) kept beside the dataset")
     out = p.add_argument_group("output")
     add_json_arguments(out)
     out.add_argument("--quiet", action="store_true", help="no summary and no progress bar")
@@ -193,6 +202,12 @@ def cmd_plan(argv: list[str]) -> int:
         except ValueError as e:
             parser.error(str(e))
     engine = engine_settings(parser, args)  # before reading: Ray there if asked for
+    encoder = encoder_from_args(parser, args)
+    if encoder is not None and args.fingerprint == "content":
+        parser.error("--fingerprint content hashes token ids, which a text corpus does not "
+                     "hold: tokenize it once (dcp-plan tokenize DATA --tokenizer PATH -o "
+                     "PREFIX) and plan PREFIX with --fingerprint content; a text plan records "
+                     "the tokenizer's sha256 and the lengths fingerprint of its token counts")
     from planner import numbacache
     from planner.cli.progress import Progress
     from planner.cli.summary import Compiles, format_summary, plan_summary
@@ -201,6 +216,7 @@ def cmd_plan(argv: list[str]) -> int:
     from planner.planfile.io import write_plan_stream
     from planner.planfile.schema import PlanHeader
     from planner.sources.lengths import read_lengths
+    from planner.sources.text import text_unit
 
     t0 = time.perf_counter()
     # This process's numba compiles at each phase's end (planner/numbacache.py): the summary
@@ -227,9 +243,14 @@ def cmd_plan(argv: list[str]) -> int:
     check_outputs(out, args.summary_json, input_files(items, args.cost_model),
                   overwrite=args.overwrite)
     show = not (args.quiet or args.json)
-    with Progress("reading", unit="file", enabled=show and len(items) > 1) as bar:
+    with Progress("reading", unit="file", enabled=show and len(items) > 1 and not encoder
+                  ) as bar, Progress("tokenizing", unit=text_unit(items), enabled=show) as tok_bar:
         table = read_lengths(items, skip_bad_records=args.skip_bad_records, field=args.field,
-                             progress=bar, notice=print_notice, megatron_unit=args.megatron_unit)
+                             progress=bar, notice=print_notice, megatron_unit=args.megatron_unit,
+                             encoder=encoder, use_cache=not args.no_lengths_cache,
+                             text_progress=tok_bar)
+    if encoder is not None and not (args.quiet or args.json) and text_notice(table):
+        print_notice(text_notice(table))
     # Directories and globs expand to files only now: check those too.
     check_outputs(out, args.summary_json, input_files([f.path for f in table.files], ""),
                   overwrite=args.overwrite)

@@ -96,9 +96,15 @@ def cmd_show(argv: list[str]) -> int:
 
 
 def _print_cost(header: Any) -> None:
-    """The cost model's mark, and the warning when a deciding term is assumed."""
+    """The cost model's mark, and the warning when a deciding term is assumed; a text
+    corpus's tokenizer and policies (``dataset.tokenizer``) first."""
     from planner.provenance import of_header
 
+    if header.dataset.tokenizer:
+        from planner.sources.textenc import TokenizerSpec
+
+        spec = TokenizerSpec.from_dict(header.dataset.tokenizer)
+        print(f"tokenizer: {spec.policy_text()}; field {header.dataset.field or 'text'!r}")
     mark, warning = of_header(header)
     print(f"cost: {mark}")
     if warning:

@@ -81,6 +81,7 @@ def plan_summary(header: PlanHeader, out: str | Path, phases: dict[str, float],
                     **({"content_fingerprint": d.content_fingerprint}
                        if d.content_fingerprint else {}),
                     **({"field": d.field} if d.field else {}),
+                    **({"tokenizer": dict(d.tokenizer)} if d.tokenizer else {}),
                     **_megatron(d.megatron_unit, files)},
         "parallel": {"dp": p.dp, "cp": p.cp, "tp": p.tp, "pp": p.pp, "vpp": p.vpp,
                      "sequence_parallel": p.sequence_parallel, "pool_size": p.pool_size,
@@ -207,6 +208,10 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"dataset   {d['path']}: {d['num_samples']:,} samples, {d['num_tokens']:,} tokens "
         f"({d['format']}" + (f", field {d['field']!r}" if d.get("field") else "") + ")",
     ]
+    if d.get("tokenizer"):
+        from planner.sources.textenc import TokenizerSpec
+
+        lines.append(f"tokenizer {TokenizerSpec.from_dict(d['tokenizer']).policy_text()}")
     if d.get("megatron"):
         lines.append(_megatron_line(d["megatron"]))
     if len(d["files"]) > 1:

@@ -24,6 +24,9 @@ def cmd_validate(argv: list[str]) -> int:
     add_version(p)
     p.add_argument("plan", help="plan file (.arrow)")
     add_dataset_arguments(p, required=False)
+    p.add_argument("--tokenizer", metavar="PATH", default=None,
+                   help="a text plan's tokenizer.json (or its folder) where it has moved "
+                   "(default: the path its header records; its sha256 must match)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     args = p.parse_intermixed_args(argv)
     items, _ = dataset_items(p, args, required=False)
@@ -45,10 +48,18 @@ def cmd_validate(argv: list[str]) -> int:
             # The skip policy the plan was made with (its header's skipped_bad_records), as
             # the field: the flag is needed only for a plan that recorded none.
             skip = args.skip_bad_records or f.header.skips_bad_records
+            encoder = None
+            if args.tokenizer is not None and not f.header.dataset.tokenizer:
+                raise ValueError(f"--tokenizer {args.tokenizer}: {args.plan} is a plan of token "
+                                 "ids (its header records no tokenizer); give it without")
+            if f.header.dataset.tokenizer:  # a text plan: count with its tokenizer
+                from planner.sources.text import plan_encoder
+
+                encoder = plan_encoder(f.header.dataset.tokenizer, args.tokenizer, args.plan)
             try:
                 # The Megatron unit the plan was made with (none recorded: sequences).
                 table = read_lengths(items, skip_bad_records=skip, field=field,
-                                     notice=print_notice,
+                                     notice=print_notice, encoder=encoder,
                                      megatron_unit=f.header.dataset.replay_megatron_unit)
             except ValueError as e:
                 raise ValueError(field_hint(str(e), recorded, args.field, args.plan)) from None

@@ -100,6 +100,12 @@ def _magic(*prefixes: bytes) -> Callable[[Path], bool]:
     return own
 
 
+def _megatron_pair(path: Path) -> bool:
+    """An empty file, or a ``.bin`` whose ``.idx`` beside it is a Megatron index."""
+    idx = path.with_suffix(".idx")
+    return _head(path, 1) == b"" or _head(idx, 7) == b"MMIDIDX"
+
+
 KINDS: dict[str, OutputKind] = {
     "plan": OutputKind("plan", is_plan_file, "is not a dcp plan"),
     "summary": OutputKind("summary", _is_json_document, "is not a JSON summary"),
@@ -111,6 +117,13 @@ KINDS: dict[str, OutputKind] = {
                          "is not a figure (PNG, SVG, PDF)"),
     "report": OutputKind("report", _magic(b"<!doctype html", b"<html"),
                          "is not an HTML report"),
+    "lengths-cache": OutputKind("lengths cache", _magic(b"dcplen"),
+                                "is not a dcp-plan lengths cache (.dcplen)"),
+    "megatron-idx": OutputKind("Megatron index", _magic(b"mmididx"),
+                               "is not a Megatron index (.idx)"),
+    "megatron-bin": OutputKind("Megatron token file", _megatron_pair,
+                               "is not the token file of a Megatron dataset (no MMIDIDX .idx "
+                               "beside it)"),
 }
 """Every kind of output; ``check_output(kind=...)`` takes one of these names. A new output
 kind is one entry here."""

@@ -9,6 +9,7 @@ read every version in ``READABLE_VERSIONS`` (version 1 has no ``kind``: it reads
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Sequence
@@ -76,6 +77,11 @@ class DatasetInfo:
     """Format 2, ``dcp-plan --field NAME``: the record field (JSONL) or column (Parquet, Arrow)
     the lengths, and so the runtime's tokens, were read from; empty (and absent from the JSON):
     the default fields (``input_ids``, ``tokens``, ...)."""
+    # dataclasses.field: the name ``field`` is this class's attribute above.
+    tokenizer: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Format 2, a text corpus (``dcp-plan --tokenizer``): the tokenizer the lengths were
+    counted with (``planner.sources.textenc.TokenizerSpec.to_dict()``: path, sha256,
+    vocab_size, bos, append_eod, bos_id, eod_id); empty (and absent from the JSON): token ids."""
     megatron_unit: str = ""
     """Format 2, ``dcp-plan --megatron-unit``: what a sample of the dataset's Megatron files is,
     ``document`` or ``sequence``; empty (and absent from the JSON): no Megatron file, or a plan
@@ -184,6 +190,8 @@ class PlanHeader:
             del d["dataset"]["content_fingerprint"]
         if not self.dataset.field:
             del d["dataset"]["field"]
+        if not self.dataset.tokenizer:
+            del d["dataset"]["tokenizer"]
         if not self.dataset.megatron_unit:
             del d["dataset"]["megatron_unit"]
         if not self.dataset.tokenizer:

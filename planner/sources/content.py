@@ -104,6 +104,9 @@ def with_content(table: LengthTable, field: str | None = None, *,
     ``progress(files_done, files_total)`` after each)."""
     from planner.sources.lengths import detect_format
 
+    if table.tokenizer:
+        raise ValueError(f"{table.path}: a text corpus holds no token ids to fingerprint; "
+                         "tokenize it (dcp-plan tokenize) and fingerprint that dataset")
     files = table.files
     if not files:
         raise ValueError(f"{table.path}: a table without files (built from arrays) has no tokens "

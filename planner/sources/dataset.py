@@ -8,7 +8,9 @@ file's records are samples 0..n0-1, the second's follow, ...). The order, docume
    (``'shards/*.jsonl.zst'``, quoted so the shell leaves it) for the files it matches; either is
    sorted by path, by code point (zero-padded shard numbers sort as numbers do). A directory's
    Megatron pair ``x.bin``/``x.idx`` is one file, ``x``; hidden files and ``.dcpidx`` index caches
-   are not dataset files, nor are this tool's own outputs: dcp plans, JSON summaries
+   are not dataset files, nor are a Hugging Face ``save_to_disk`` folder's metadata
+   (``dataset_info.json``, ``state.json``, ``dataset_dict.json``: its data are the ``.arrow``
+   files beside them), nor this tool's own outputs: dcp plans, JSON summaries
    (``--summary-json``) and ``dcp-train --log-jsonl`` logs (left out with a notice: an output
    written into a dataset's directory must not become data of the next plan or run).
 
@@ -33,8 +35,11 @@ __all__ = ["DataFile", "blend_counts", "expand_paths", "file_identity", "parse_d
            "plan_items"]
 
 _GLOB_CHARS = frozenset("*?[")
-INDEX_CACHE_SUFFIXES = (".dcpidx", ".dcptok")
-"""Files the runtime writes beside a dataset (index caches): never dataset files."""
+INDEX_CACHE_SUFFIXES = (".dcpidx", ".dcptok", ".dcplen")
+"""Files the runtime and the planner write beside a dataset (index caches, text lengths
+caches): never dataset files."""
+HF_METADATA = ("dataset_info.json", "state.json", "dataset_dict.json")
+"""What Hugging Face ``datasets``' ``save_to_disk`` writes beside its ``.arrow`` data files."""
 PLAN_SUFFIXES = (".arrow", ".feather", ".ipc")
 """Names a dcp plan may have among dataset files (Arrow IPC): such a file is opened to tell."""
 
@@ -124,7 +129,8 @@ def _unescaped(item: str) -> str | None:
 
 def _is_dataset_file(p: Path, suffixes: Sequence[str]) -> bool:
     name = p.name
-    if name.startswith(".") or name.endswith(INDEX_CACHE_SUFFIXES) or not p.is_file():
+    if name.startswith(".") or name.endswith(INDEX_CACHE_SUFFIXES) or name in HF_METADATA \
+            or not p.is_file():
         return False
     return name.lower().endswith(tuple(suffixes))
 
@@ -138,8 +144,11 @@ def _directory(path: str, suffixes: Sequence[str]) -> list[str]:
             continue  # the pair is listed once, as its prefix, from the .idx
         out.append(f[:-4] if lower.endswith(".idx") else f)
     if not out:
+        splits = (Path(path) / "dataset_dict.json").is_file()
+        hint = ("; it is a Hugging Face DatasetDict (save_to_disk): give one split's folder, "
+                f"such as {Path(path) / 'train'}" if splits else "")
         raise ValueError(f"{path}: directory holds no dataset files (suffixes "
-                         f"{', '.join(suffixes)})")
+                         f"{', '.join(suffixes)}){hint}")
     return out
 
 

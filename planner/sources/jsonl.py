@@ -99,10 +99,11 @@ def _text_hint(obj: dict[str, object]) -> str:
     text = [k for k, v in obj.items() if isinstance(v, str)]
     if not text:
         return ""
-    return (f"; the record holds text ({', '.join(repr(k) for k in text[:3])}), not token ids: "
-            "tokenize the corpus first (e.g. Megatron-LM's tools/preprocess_data.py, which writes "
-            "a .bin/.idx dataset dcp-plan reads, or add an 'input_ids' list per record), or name "
-            "an integer length field with --field")
+    fields = ", ".join(repr(k) for k in text[:3])
+    return (f"; the record holds text ({fields}), not token ids: plan it with --tokenizer PATH "
+            "(the model's tokenizer.json, or its folder; --field names the text field, default "
+            "'text'), or tokenize it once (dcp-plan tokenize DATA --tokenizer PATH -o PREFIX, "
+            "or Megatron-LM's tools/preprocess_data.py) and plan PREFIX")
 
 
 def read_jsonl(path: str, field: str | None, bad: BadRecords) -> tuple[

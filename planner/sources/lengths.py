@@ -31,6 +31,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.typing import NDArray
@@ -60,6 +61,9 @@ from planner.sources.megatron import (
     read_megatron_index,
     write_megatron_dataset,
 )
+
+if TYPE_CHECKING:
+    from planner.sources.textenc import TextEncoder
 
 __all__ = [
     "DATASET_SUFFIXES",
@@ -100,6 +104,11 @@ class LengthTable:
     field: str | None = None
     """The field or column the lengths were read from (``read_lengths(field=...)``); None: the
     default fields. A plan records it (``dataset.field``) so the runtime reads the same one."""
+    tokenizer: dict[str, object] | None = None
+    """A text corpus: the ``TokenizerSpec.to_dict()`` its counts were tokenized with (a plan
+    records it as ``dataset.tokenizer``); None: token ids or lengths."""
+    cached_files: int = 0
+    """A text corpus: how many files' counts came from their lengths cache (not tokenized)."""
     megatron_unit: str = ""
     """What a sample of the Megatron files is, ``document`` or ``sequence``
     (``read_lengths(megatron_unit=...)``; a plan records it as ``dataset.megatron_unit``); empty:
@@ -239,13 +248,15 @@ def detect_format(path: str) -> tuple[str, str]:
     return fmt, path
 
 
-def _read_file(given: str, bad: BadRecords, field: str | None, unit: str = DEFAULT_UNIT
-               ) -> tuple[str, NDArray[np.int64], tuple[int, int]]:
+def _read_file(given: str, bad: BadRecords, field: str | None, unit: str = DEFAULT_UNIT,
+               text: _TextRead | None = None) -> tuple[str, NDArray[np.int64], tuple[int, int]]:
     """(format, lengths, (sequences, documents)) of one file; bad records go to ``bad`` with
     file-local indices. The counts are a Megatron file's (0, 0 for other formats)."""
     fmt, source = detect_format(given)
     counts = (0, 0)
-    if fmt == "jsonl":
+    if text is not None:
+        lengths = text.read(source, fmt, field, bad)
+    elif fmt == "jsonl":
         lengths = read_jsonl(source, field, bad)[2]
     elif fmt == "parquet":
         lengths = read_parquet(source, field, bad)
@@ -262,6 +273,42 @@ def _read_file(given: str, bad: BadRecords, field: str | None, unit: str = DEFAU
     return fmt, lengths, counts
 
 
+class _TextRead:
+    """Token counts of text files under one encoder, with their caches and a byte-or-row
+    progress callback (``progress(done, total)`` over all files)."""
+
+    def __init__(self, encoder: TextEncoder, use_cache: bool,
+                 progress: Callable[[int, int], None] | None, files: list[str]) -> None:
+        from planner.sources.text import progress_total
+
+        self.encoder, self.use_cache, self.cached = encoder, use_cache, 0
+        self.progress, self.done = progress, 0
+        self.total = 0
+        if progress is not None:
+            for f in files:
+                with_fmt = detect_format(f)
+                self.total += progress_total(with_fmt[1], with_fmt[0])
+
+    def _step(self, n: int) -> None:
+        self.done += n
+        if self.progress is not None:
+            self.progress(self.done, max(self.total, self.done))
+
+    def read(self, path: str, fmt: str, field: str | None,
+             bad: BadRecords) -> NDArray[np.int64]:
+        from planner.sources.text import TEXT_FIELD, TEXT_FORMATS
+        from planner.sources.textcache import text_file_lengths
+
+        if fmt not in TEXT_FORMATS:
+            raise ValueError(f"{path}: a {fmt} dataset holds token ids or lengths, not text: "
+                             "plan it without --tokenizer (text corpora are JSONL, Parquet or "
+                             "Arrow files with a string field)")
+        lengths, where = text_file_lengths(path, fmt, field or TEXT_FIELD, self.encoder, bad,
+                                           use_cache=self.use_cache, progress=self._step)
+        self.cached += bool(where)
+        return lengths
+
+
 def _warn(message: str) -> None:
     warnings.warn(message, stacklevel=3)
 
@@ -270,7 +317,9 @@ def read_lengths(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
                  skip_bad_records: bool = False, field: str | None = None,
                  progress: Callable[[int, int], None] | None = None,
                  notice: Callable[[str], None] | None = None,
-                 megatron_unit: str = DEFAULT_UNIT) -> LengthTable:
+                 megatron_unit: str = DEFAULT_UNIT,
+                 encoder: TextEncoder | None = None, use_cache: bool = True,
+                 text_progress: Callable[[int, int], None] | None = None) -> LengthTable:
     """Read the token count of every sample of a dataset, in file order.
 
     Args:
@@ -287,6 +336,13 @@ def read_lengths(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
             data); default: a ``UserWarning``.
         megatron_unit: what a sample of a Megatron file is: ``document`` (its sequences'
             tokens, concatenated) or ``sequence`` (``planner.sources.megatron``).
+        encoder: a text corpus (``planner.sources.text``): each record's ``field`` (default
+            ``text``) is tokenized and its token count is the length; the table records the
+            tokenizer. JSONL, Parquet and Arrow files only.
+        use_cache: with ``encoder``, read and write each file's lengths cache
+            (``planner.sources.textcache``).
+        text_progress: with ``encoder``, called as ``(done, total)`` in input bytes (plain
+            JSONL) or rows (Parquet) as the tokenizer goes.
 
     Raises:
         ValueError: an unknown format, a missing or empty file, a bad record (naming file, line
@@ -304,9 +360,11 @@ def read_lengths(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
     infos: list[DataFile] = []
     start = 0
     warned = False
+    text = None if encoder is None else _TextRead(encoder, use_cache, text_progress,
+                                                  [name for name, _ in files])
     for j, (name, group) in enumerate(files):
         bad = BadRecords(skip=skip_bad_records)
-        fmt, lengths, counts = _read_file(name, bad, field, megatron_unit)
+        fmt, lengths, counts = _read_file(name, bad, field, megatron_unit, text)
         if field is not None and fmt in ("megatron", "text") and not warned:
             warnings.warn(f"field={field!r} is ignored for {fmt} datasets", stacklevel=2)
             warned = True
@@ -328,4 +386,7 @@ def read_lengths(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
     unit = megatron_unit if "megatron" in formats else ""
     return LengthTable(path=given, format=formats.pop() if len(formats) == 1 else "mixed",
                        lengths=all_lengths, skipped=all_skipped, files=tuple(infos),
-                       field=field, megatron_unit=unit)
+                       field=field if text is None else field or "text",
+                       megatron_unit=unit,
+                       tokenizer=None if encoder is None else encoder.spec.to_dict(),
+                       cached_files=0 if text is None else text.cached)

@@ -134,7 +134,8 @@ class TextEncoder:
         """Each document's token count (what ``encode`` would return the length of)."""
         extra = (self.spec.bos == "add") + self.spec.append_eod
         enc = self._tok.encode_batch_fast(list(texts), add_special_tokens=self._special)
-        return np.fromiter((len(e.ids) + extra for e in enc), dtype=np.int64, count=len(enc))
+        # len(e), not len(e.ids): the count without building a list of ids (3% of the time).
+        return np.fromiter((len(e) + extra for e in enc), dtype=np.int64, count=len(enc))
 
 
 def load_encoder(path: str | Path, *, bos: str = "tokenizer", append_eod: bool = False,
@@ -156,6 +157,11 @@ def load_encoder(path: str | Path, *, bos: str = "tokenizer", append_eod: bool =
     except Exception as e:  # tokenizers raises its own Exception type for any bad file
         raise ValueError(f"tokenizer {f}: not a Hugging Face tokenizer.json "
                          f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    # A document's tokens are all of its tokens, alone: a tokenizer.json may carry padding
+    # (a batch padded to its longest: counts that depend on the batch) or truncation (a
+    # BERT-style max_length: documents cut short), which plans and training must not inherit.
+    tok.no_padding()
+    tok.no_truncation()
 
     def token_id(given: str | None, key: str, flag: str, token_flag: str) -> int:
         name = given if given is not None else _config_token(f.parent, key)

@@ -197,7 +197,7 @@ def test_a_missing_dataset_is_named_not_an_errno(tmp_path: Path,
     assert f"{data}: no such file" in stderr_of(capsys)
 
 
-@pytest.mark.parametrize("command", ["validate", "show", "compare", "report"])
+@pytest.mark.parametrize("command", ["validate", "show", "compare", "report", "tokenize"])
 def test_every_subcommand_prints_its_version_alone(command: str,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:

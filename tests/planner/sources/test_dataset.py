@@ -94,7 +94,7 @@ def test_bad_records_name_the_file_and_line(tmp_path: Path) -> None:
     t = read_lengths(tmp_path, skip_bad_records=True)
     assert t.skipped.tolist() == [2]                         # a global sample index
     (tmp_path / "c.jsonl").write_text('{"text": "hello world"}\n')
-    with pytest.raises(ValueError, match="holds text .'text'., not token ids: tokenize"):
+    with pytest.raises(ValueError, match="holds text .'text'., not token ids: plan it with --tok"):
         read_lengths(tmp_path / "c.jsonl")
 
 
