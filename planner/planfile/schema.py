@@ -66,10 +66,6 @@ class DatasetInfo:
     """Format 2: every file in sample order (path, format, num_samples, num_tokens, fingerprint,
     group, and with ``--fingerprint content`` content_fingerprint); empty in version 1 plans
     (one file, ``path``)."""
-    tokenizer: dict[str, Any] = field(default_factory=dict)
-    """A text corpus (``dcp-plan --tokenizer``): ``planner.sources.textenc.TokenizerSpec``'s
-    dict, the tokenizer the lengths were counted with and training tokenizes with; empty (and
-    absent from the JSON): a dataset of token ids."""
     content_fingerprint: str = ""
     """Format 2, ``dcp-plan --fingerprint content``: sha256 over the files' content fingerprints
     (``planner.sources.content``); empty (and absent from the JSON): lengths only."""
@@ -194,8 +190,6 @@ class PlanHeader:
             del d["dataset"]["tokenizer"]
         if not self.dataset.megatron_unit:
             del d["dataset"]["megatron_unit"]
-        if not self.dataset.tokenizer:
-            del d["dataset"]["tokenizer"]
         return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
     @classmethod
