@@ -38,7 +38,7 @@ from tests.reliability.helpers import ROOT, run_cli
 from tests.text.bpe import texts, train_bpe
 from tests.text.test_text_train import PLAN, TRAIN, _cli, _losses
 
-pytestmark = pytest.mark.dist  # 2 gloo ranks; about 22 s for the three tests on 2 cores
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # 2 gloo ranks; 22-47 s for the three on 2 cores
 
 NOT_UTF8 = b'{"id": 99, "text": "caf\xe9 au lait"}'  # Latin-1: a bad record
 
