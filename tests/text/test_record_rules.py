@@ -12,6 +12,7 @@ format: JSONL, .jsonl.gz, .jsonl.zst, Parquet and Arrow (string, large_string, s
 from __future__ import annotations
 
 import gzip
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -63,10 +64,11 @@ class Collected(BadRecords):
         self.seen[sample_index] = (location, problem)
         super().add(sample_index, location, problem)
 
-    def add_rows(self, indices: NDArray[np.int64], describe: object) -> None:
+    def add_rows(self, indices: NDArray[np.int64],
+                 describe: Callable[[int], tuple[str, str]]) -> None:
         for i in indices.tolist():
-            self.seen[int(i)] = describe(int(i))  # type: ignore[operator]
-        super().add_rows(indices, describe)  # type: ignore[arg-type]
+            self.seen[int(i)] = describe(int(i))
+        super().add_rows(indices, describe)
 
 
 @pytest.fixture(scope="module")
