@@ -53,9 +53,10 @@ def cmd_validate(argv: list[str]) -> int:
                 raise ValueError(f"--tokenizer {args.tokenizer}: {args.plan} is a plan of token "
                                  "ids (its header records no tokenizer); give it without")
             if f.header.dataset.tokenizer:  # a text plan: count with its tokenizer
-                from planner.sources.text import plan_encoder
+                from planner.sources.textenc import plan_encoder
 
-                encoder = plan_encoder(f.header.dataset.tokenizer, args.tokenizer, args.plan)
+                encoder = plan_encoder(f.header.dataset.tokenizer, args.tokenizer,
+                                       source=args.plan)
             try:
                 # The Megatron unit the plan was made with (none recorded: sequences).
                 table = read_lengths(items, skip_bad_records=skip, field=field,

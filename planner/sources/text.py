@@ -16,6 +16,13 @@ EOD, and a sample of 0 tokens is never planned).
 JSON is decoded with ``json.loads`` per line over chunks decoded from UTF-8 at once: about
 0.3-1 us per short record, far below the tokenizer's cost (BENCHMARKS.md), so the numba scanner
 of the token-id path is not needed here.
+
+These rules are defined here once, for planning and training alike: the runtime reads a text
+plan's records by sample index (``runtime.data.text_records``) through ``decode_record`` (one
+JSONL line), ``BLANK`` and ``BOM`` (which lines are records) and ``check_text_column`` /
+``null_problem`` (a Parquet / Arrow column), so a record the planner counted is the text
+training tokenizes, and a record it called bad (length 0 under ``--skip-bad-records``) is bad
+there too, with the same problem named.
 """
 
 from __future__ import annotations
@@ -43,8 +50,9 @@ from planner.sources.formats import (
 if TYPE_CHECKING:
     from planner.sources.textenc import TextEncoder
 
-__all__ = ["TEXT_FIELD", "TEXT_FORMATS", "TextBatch", "count_lengths", "encode_checked",
-           "iter_texts", "place_text", "plan_encoder", "progress_total", "text_pieces",
+__all__ = ["BLANK", "BOM", "TEXT_FIELD", "TEXT_FORMATS", "TextBatch", "check_text_column",
+           "count_lengths", "decode_record", "encode_checked", "iter_texts", "null_problem",
+           "place_text", "progress_total", "record_text", "surrogate_problem", "text_pieces",
            "text_unit"]
 
 TEXT_FIELD = "text"
@@ -55,7 +63,11 @@ BATCH_CHARS = 1 << 21
 """Characters tokenized per ``encode_batch`` call: enough documents for every core, and the
 tokenizer's per-token encodings (~80 bytes each) stay in the tens of MB."""
 _ROWS = 8192  # Parquet / Arrow rows read per batch
-_BOM = b"\xef\xbb\xbf"
+BOM = b"\xef\xbb\xbf"
+"""A UTF-8 byte order mark: skipped at the start of a JSONL file (elsewhere it is not JSON)."""
+BLANK = b" \t\r"
+"""The bytes a blank JSONL line holds (besides its newline): such a line is not a record."""
+_BLANK = BLANK.decode()
 T = TypeVar("T")
 
 
@@ -82,8 +94,8 @@ def place_text(path: str, fmt: str, place: int) -> str:
     return f"{path}:{place}" if fmt == "jsonl" else f"{path}: row {place}"
 
 
-def _record_text(line: str, field: str) -> tuple[str | None, str]:
-    """(the text of one record line, "") or (None, the problem with it)."""
+def record_text(line: str, field: str) -> tuple[str | None, str]:
+    """(the text of one JSONL record line, "") or (None, the problem with it)."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
@@ -111,14 +123,45 @@ def _utf8_problem(e: UnicodeDecodeError) -> str:
             "line); re-encode the file as UTF-8 (iconv -f LATIN1 -t UTF-8, say)")
 
 
+def surrogate_problem(text: str) -> str:
+    """Why no tokenizer can encode ``text`` (an unpaired surrogate, which a JSON escape such as
+    ``"\\ud800"`` gives), or "" when it can."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (f"the text holds an unpaired surrogate ({text[e.start]!r} at character "
+                f"{e.start}), which no tokenizer encodes")
+    return ""
+
+
+def decode_record(raw: bytes, field: str) -> tuple[str | None, str]:
+    """(text, "") or (None, the problem) of one JSONL record: a line's bytes without its
+    newline (and, for a file's first line, without its ``BOM``).
+
+    The records of a text plan are read by sample index through this at training
+    (``runtime.data.text_records``), so training reads the very texts, and finds the very bad
+    records, that the planner's ``iter_texts`` (decoding whole chunks at once, the same rules)
+    counted. An unpaired surrogate is found here, where ``iter_texts`` leaves it to
+    ``encode_checked`` (only when the tokenizer fails): the same records either way.
+    """
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return None, _utf8_problem(e)
+    text, problem = record_text(line, field)
+    if text is not None and (problem := surrogate_problem(text)):
+        return None, problem
+    return text, problem
+
+
 def _jsonl_texts(path: str, field: str, bad: BadRecords) -> Iterator[TextBatch]:
     chunks = (iter_decompressed_lines(path, CHUNK_BYTES) if compression_of(path)
               else iter_line_chunks(path))
     line0 = sample = 0
     for base, chunk in chunks:
         raw = bytes(chunk)
-        if base == 0 and raw.startswith(_BOM):
-            raw = raw[len(_BOM):]
+        if base == 0 and raw.startswith(BOM):
+            raw = raw[len(BOM):]
         try:
             lines = raw.decode("utf-8").split("\n")[:-1]
             broken: dict[int, str] = {}
@@ -133,9 +176,9 @@ def _jsonl_texts(path: str, field: str, bad: BadRecords) -> Iterator[TextBatch]:
         sample0 = sample
         texts, samples, places = [], [], []
         for j, line in enumerate(lines):
-            if not line.strip(" \t\r"):
+            if not line.strip(_BLANK):
                 continue
-            text, problem = (None, broken[j]) if j in broken else _record_text(line, field)
+            text, problem = (None, broken[j]) if j in broken else record_text(line, field)
             if text is not None:
                 texts.append(text)
                 samples.append(sample)
@@ -153,8 +196,18 @@ def _is_string(t: pa.DataType) -> bool:
                 or pa.types.is_string_view(t))
 
 
-def _columnar_texts(path: str, field: str, schema: pa.Schema, batches: Iterator[pa.RecordBatch],
-                    bad: BadRecords) -> Iterator[TextBatch]:
+def null_problem(field: str) -> str:
+    """The problem of a Parquet / Arrow row whose text column is null."""
+    return f"{field!r} is null"
+
+
+def check_text_column(path: str, field: str, schema: pa.Schema) -> None:
+    """Refuse a Parquet / Arrow file whose ``field`` is not a string column (``string``,
+    ``large_string``, ``string_view``): its rows hold no text.
+
+    Raises:
+        ValueError: naming the file, the column's type and the string columns it has.
+    """
     if field not in schema.names:
         strings = [f.name for f in schema if _is_string(f.type)]
         hint = f"; its string columns are {strings}: name one with --field" if strings else ""
@@ -165,6 +218,11 @@ def _columnar_texts(path: str, field: str, schema: pa.Schema, batches: Iterator[
                  if pa.types.is_list(t) or pa.types.is_large_list(t) else "")
         raise ValueError(f"{path}: column {field!r} has type {t}, not a string column of "
                          f"text{extra}")
+
+
+def _columnar_texts(path: str, field: str, schema: pa.Schema, batches: Iterator[pa.RecordBatch],
+                    bad: BadRecords) -> Iterator[TextBatch]:
+    check_text_column(path, field, schema)
     row0 = 0
     try:
         for batch in batches:
@@ -174,7 +232,7 @@ def _columnar_texts(path: str, field: str, schema: pa.Schema, batches: Iterator[
             nulls = [i for i, s in enumerate(texts) if s is None]
             if nulls:
                 bad.add_rows(np.array(nulls, dtype=np.int64) + row0,
-                             lambda i: (f"{path}: row {i}", f"{field!r} is null"))
+                             lambda i: (f"{path}: row {i}", null_problem(field)))
             rows = np.arange(row0, row0 + n, dtype=np.int64)
             if nulls:
                 keep = np.ones(n, dtype=bool)
@@ -253,13 +311,10 @@ def encode_checked(run: Callable[[list[str]], T], texts: list[str], batch: TextB
     except Exception:  # tokenizers raises its own errors for a str it cannot convert
         dropped = []
         for k, t in enumerate(texts):
-            try:
-                t.encode("utf-8")
-            except UnicodeEncodeError as e:
+            problem = surrogate_problem(t)
+            if problem:
                 bad.add(int(batch.samples[first + k]),
-                        place_text(path, fmt, int(batch.places[first + k])),
-                        f"the text holds an unpaired surrogate ({t[e.start]!r} at character "
-                        f"{e.start}), which no tokenizer encodes")
+                        place_text(path, fmt, int(batch.places[first + k])), problem)
                 dropped.append(k)
         if not dropped:
             raise
@@ -312,32 +367,3 @@ def text_unit(items: list[str]) -> str:
     """The progress unit of tokenizing ``items``: bytes of JSONL, rows of columnar files."""
     return "B" if items and ".jsonl" in items[0].lower() else "row"
 
-
-def plan_encoder(tokenizer: dict[str, object], path: str | None = None,
-                 source: str = "the plan") -> TextEncoder:
-    """The encoder a text plan was made with (its ``dataset.tokenizer``), from its recorded
-    path or ``path`` (the tokenizer moved), refused unless its bytes are the plan's (sha256).
-
-    The policies and the BOS / EOD ids are the plan's, not looked up again: a
-    ``tokenizer_config.json`` edited since cannot change what is prepended or appended.
-
-    Raises:
-        ValueError: the tokenizer is missing, not one, or another one.
-    """
-    from dataclasses import replace
-
-    from planner.sources.textenc import TextEncoder, TokenizerSpec, load_encoder
-
-    spec = TokenizerSpec.from_dict(dict(tokenizer))
-    given = path if path is not None else spec.path
-    try:
-        plain = load_encoder(given)
-    except ValueError as e:
-        hint = "" if path is not None else " (give its new place with --tokenizer PATH)"
-        raise ValueError(f"{source} was planned with tokenizer {spec.path}: {e}{hint}") from None
-    if plain.spec.sha256 != spec.sha256:
-        raise ValueError(f"{source} was planned with another tokenizer than {given}: sha256 "
-                         f"{plain.spec.sha256[:12]} where the plan has {spec.sha256[:12]} "
-                         f"(the plan's: {spec.policy_text()})")
-    return TextEncoder(replace(plain.spec, bos=spec.bos, append_eod=spec.append_eod,
-                               bos_id=spec.bos_id, eod_id=spec.eod_id), plain._tok)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["BOS_POLICIES", "TextEncoder", "TokenizerSpec", "load_encoder", "load_recorded",
+__all__ = ["BOS_POLICIES", "TextEncoder", "TokenizerSpec", "load_encoder", "plan_encoder",
            "tokenizer_file"]
 
 BOS_POLICIES = ("tokenizer", "add", "none")
@@ -184,24 +184,36 @@ def load_encoder(path: str | Path, *, bos: str = "tokenizer", append_eod: bool =
     return TextEncoder(spec, tok)
 
 
-def load_recorded(spec: TokenizerSpec, path: str | Path | None = None) -> TextEncoder:
-    """The tokenizer a plan recorded (``spec``), loaded from ``path`` (default ``spec.path``),
-    with the plan's policies and BOS / EOD ids: what training tokenizes with.
+def plan_encoder(tokenizer: Mapping[str, Any], path: str | Path | None = None, *,
+                 source: str = "the plan") -> TextEncoder:
+    """The encoder a text plan was made with (its header's ``dataset.tokenizer``), loaded from
+    its recorded path or ``path`` (the tokenizer moved: ``--tokenizer PATH``), refused unless its
+    bytes are the plan's (sha256). What ``dcp-plan validate`` counts and training tokenizes with.
+
+    The policies and the BOS / EOD ids are the plan's, not looked up again: a
+    ``tokenizer_config.json`` edited since cannot change what is prepended or appended.
 
     Raises:
-        ValueError: no tokenizer there, or another file than the plan's (sha256), naming both.
+        ValueError: naming ``source``: the tokenizer is missing (where to give it), not one, or
+            another one (both files and sha256s).
     """
-    f = tokenizer_file(spec.path if path is None else path)
-    loaded = load_encoder(f)
-    if loaded.spec.sha256 != spec.sha256:
-        raise ValueError(f"tokenizer {f}: sha256 {loaded.spec.sha256[:12]}, the plan was made "
-                         f"with {spec.path} (sha256 {spec.sha256[:12]}): another tokenizer "
-                         "gives other tokens; give the plan's tokenizer.json")
+    spec = TokenizerSpec.from_dict(dict(tokenizer))
+    try:
+        f = tokenizer_file(spec.path if path is None else path)
+        loaded = load_encoder(f)
+    except ValueError as e:
+        hint = "" if path is not None else " (give its new place with --tokenizer PATH)"
+        raise ValueError(f"{source} was planned with tokenizer {spec.path}: {e}{hint}") from None
+    got = loaded.spec
+    if got.sha256 != spec.sha256:
+        raise ValueError(f"{source} was planned with tokenizer {spec.path} (sha256 "
+                         f"{spec.sha256[:12]}); {f} is another tokenizer (sha256 "
+                         f"{got.sha256[:12]}), which gives other tokens: give the plan's "
+                         "tokenizer.json with --tokenizer PATH")
     for name, i in (("bos_id", spec.bos_id), ("eod_id", spec.eod_id)):
-        if i is not None and not 0 <= i < loaded.spec.vocab_size:
-            raise ValueError(f"tokenizer {f}: the plan's {name} {i} is outside its vocabulary "
-                             f"of {loaded.spec.vocab_size}")
-    recorded = TokenizerSpec(path=str(f), sha256=spec.sha256,
-                             vocab_size=loaded.spec.vocab_size, bos=spec.bos,
-                             append_eod=spec.append_eod, bos_id=spec.bos_id, eod_id=spec.eod_id)
-    return TextEncoder(recorded, loaded._tok)
+        if i is not None and not 0 <= i < got.vocab_size:
+            raise ValueError(f"{source}: its tokenizer's {name} {i} is outside the vocabulary of "
+                             f"{f} ({got.vocab_size} ids): the plan's header was edited")
+    return TextEncoder(TokenizerSpec(path=str(f), sha256=spec.sha256, vocab_size=got.vocab_size,
+                                     bos=spec.bos, append_eod=spec.append_eod,
+                                     bos_id=spec.bos_id, eod_id=spec.eod_id), loaded._tok)

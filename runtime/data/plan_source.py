@@ -43,6 +43,7 @@ from numpy.typing import NDArray
 from planner.sources.content import CHUNK_TOKENS, block_digest, block_starts, file_digest
 from planner.sources.dataset import file_identity
 from planner.sources.fieldname import field_hint, replay_field
+from planner.sources.textenc import plan_encoder
 from runtime.data.plan_reader import PlanReader
 from runtime.data.token_text import (
     Reduce,
@@ -50,7 +51,6 @@ from runtime.data.token_text import (
     check_vocab,
     name_mismatch,
     open_text_source,
-    plan_encoder,
 )
 from runtime.data.tokens import MegatronTokens, TokenSource, open_token_source, read_segments
 
@@ -124,7 +124,7 @@ def _open_text(reader: PlanReader, paths: Paths, field: str | None, tokenizer: s
                vocab_size: int, vocab_flag: str) -> TokenSource:
     """``open_plan_source`` for a text plan: the plan's tokenizer, the records' counts through
     the fingerprints (the first contradicting sample named), the content fingerprint."""
-    encoder = plan_encoder(reader.header.dataset.tokenizer, str(reader.path), tokenizer)
+    encoder = plan_encoder(reader.header.dataset.tokenizer, tokenizer, source=str(reader.path))
     check_vocab(encoder.spec, vocab_size, vocab_flag)
     items = [os.fspath(paths)] if isinstance(paths, (str, os.PathLike)) else [
         os.fspath(p) for p in paths]

@@ -1,9 +1,10 @@
 """Token source of a text corpus: records tokenized on the fly with the plan's tokenizer.
 
 A plan of a text corpus (``dcp-plan --tokenizer``) records its tokenizer in the header
-(``dataset.tokenizer``: ``planner.sources.textenc.TokenizerSpec``). ``open_text_source`` loads
-that tokenizer (from the recorded path, or ``--tokenizer PATH``: the sha256 must match), refuses
-another one, and gives a ``TokenSource`` whose ``read`` / ``read_many`` tokenize the records a
+(``dataset.tokenizer``: ``planner.sources.textenc.TokenizerSpec``); ``plan_source`` loads that
+tokenizer with ``planner.sources.textenc.plan_encoder`` (from the recorded path, or
+``--tokenizer PATH``: the sha256 must match), the planner's own loader, and
+``open_text_source`` gives a ``TokenSource`` whose ``read`` / ``read_many`` tokenize the records a
 microbatch needs through ``TextEncoder.encode``, the planner's own tokenization, so training
 sees exactly the tokens whose counts were planned.
 
@@ -31,14 +32,14 @@ from numpy.typing import NDArray
 
 from planner.sources.dataset import expand_paths
 from planner.sources.lengths import DATASET_SUFFIXES
-from planner.sources.textenc import TextEncoder, TokenizerSpec, load_recorded
+from planner.sources.textenc import TextEncoder, TokenizerSpec
 from runtime.data.shard import ranges_to_indices
 from runtime.data.text_records import TextRecords, open_text_records
 from runtime.data.token_files import check_many, check_read
 from runtime.data.tokens import ConcatTokens, TokenSource
 
 __all__ = ["COUNT_BATCH", "TextTokens", "check_vocab", "count_records", "name_mismatch",
-           "open_text_source", "plan_encoder"]
+           "open_text_source"]
 
 COUNT_BATCH = 4096
 """Records per ``TextEncoder.count`` call at open: big enough for the tokenizer's threads,
@@ -46,23 +47,6 @@ small enough that the texts in flight stay a few MB."""
 CACHE_TOKENS = 1 << 20
 """Token ids of the most recently read records kept (8 MB): a sample split over several
 microbatches, or read again by the next step's rows, is tokenized once, not once a segment."""
-
-
-def plan_encoder(recorded: dict[str, object], plan: str,
-                 tokenizer: str | None = None) -> TextEncoder:
-    """The plan's tokenizer (its header's ``dataset.tokenizer``), loaded from ``tokenizer``
-    (default: the recorded path) and proven the same file (sha256).
-
-    Raises:
-        ValueError: naming the plan, when the file is missing or another tokenizer.
-    """
-    spec = TokenizerSpec.from_dict(dict(recorded))
-    try:
-        return load_recorded(spec, tokenizer)
-    except ValueError as e:
-        hint = "" if tokenizer else " (give its path with --tokenizer PATH)"
-        raise ValueError(f"{plan}: a text plan, tokenized with {spec.policy_text()}: {e}{hint}"
-                         ) from None
 
 
 def check_vocab(spec: TokenizerSpec, vocab_size: int, flag: str = "vocab_size") -> None:
@@ -88,8 +72,8 @@ def count_records(files: Sequence[TextRecords], encoder: TextEncoder, *,
     others'). Batches are dealt over the whole corpus, so many small files share too.
 
     Raises:
-        ValueError: a record without a string field (file, line or row, sample), unless
-            ``skip_bad_records`` (then it counts 0).
+        ValueError: a bad record (``runtime.data.text_records``: file, line or row, sample, the
+            planner's problem), unless ``skip_bad_records`` (then it counts 0, as planned).
     """
     mine, ranks = share
     out, g = [], 0
@@ -103,14 +87,19 @@ def count_records(files: Sequence[TextRecords], encoder: TextEncoder, *,
             texts = records.texts(rows)
             bad = [j for j, t in enumerate(texts) if t is None]
             if bad and not skip_bad_records:
-                r = int(rows[bad[0]])
-                raise ValueError(f"{records.path}: record of sample {r} ({records.where(r)}) "
-                                 f"has no string {getattr(records, 'field', 'text')!r} field")
+                raise ValueError(bad_record(records, int(rows[bad[0]])))
             part = encoder.count([t or "" for t in texts])
             part[bad] = 0
             counts[a:a + len(rows)] = part
         out.append(counts)
     return out
+
+
+def bad_record(records: TextRecords, row: int) -> str:
+    """``FILE: record of sample S (line L): PROBLEM`` for a bad record (the planner's problem,
+    so the message says what ``dcp-plan`` says of that line)."""
+    return (f"{records.path}: record of sample {row} ({records.where(row)}): "
+            f"{records.problem(row)}")
 
 
 class TextTokens:
@@ -140,8 +129,12 @@ class TextTokens:
         texts = self.records.texts(missing)
         for r, t, ids in zip(missing, texts, self.encoder.encode([t or "" for t in texts]),
                              strict=True):
+            if t is None:  # bad since open (a file edited) unless skipped as planned
+                if not self.skip_bad_records:
+                    raise ValueError(bad_record(self.records, r))
+                ids = ids[:0]  # a skipped record is an empty sample: the plan's length 0
             want = int(self._lengths[r])
-            if len(ids) != want and not (t is None and self.skip_bad_records):
+            if len(ids) != want:
                 raise ValueError(
                     f"{self.path}: record of sample {r} ({self.records.where(r)}) tokenizes to "
                     f"{len(ids)} tokens, {want} when the run started: the file changed while "

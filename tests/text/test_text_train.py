@@ -133,15 +133,15 @@ def test_refusals_name_the_tokenizer_the_sample_and_the_vocabulary(
     # Another tokenizer under --tokenizer: refused by sha256, naming both files.
     other = train_bpe(tmp_path / "other", vocab_size=290)
     err = _error(capsys, ["--plan", str(tp.text_plan), *base, "--tokenizer", str(other)])
-    assert f"tokenizer {other}: sha256" in err
-    assert f"the plan was made with {tp.tokenizer}" in err
+    assert f"{tp.text_plan} was planned with tokenizer {tp.tokenizer} (sha256 " in err
+    assert f"{other} is another tokenizer (sha256 " in err
     # The tokenizer moved: --tokenizer PATH (a folder) finds it; without it, the path is named.
     moved = tmp_path / "moved"
     shutil.copytree(tp.tokenizer.parent, moved)
     shutil.rmtree(tp.tokenizer.parent)
     err = _error(capsys, ["--plan", str(tp.text_plan), *base])
     assert f"tokenizer {tp.tokenizer}: no such file or folder" in err
-    assert "give its path with --tokenizer PATH" in err
+    assert "give its new place with --tokenizer PATH" in err
     assert train_main(["--plan", str(tp.text_plan), *base, "--tokenizer", str(moved)]) == 0
     # A text edited since planning: the sample whose count changed is named, file and line.
     docs = list(tp.documents)
@@ -161,7 +161,7 @@ def test_a_record_without_text_is_named(tmp_path: Path) -> None:
     lines[2] = json.dumps({"id": 2, "text": None})
     tp.text.write_text("\n".join(lines) + "\n")
     with PlanReader(tp.text_plan) as r, pytest.raises(ValueError, match=(
-            rf"{tp.text}: record of sample 2 \(line 3\) has no string 'text' field")):
+            rf"{tp.text}: record of sample 2 \(line 3\): no 'text' field \(or it is null\)$")):
         open_plan_source(r, [str(tp.text)])
 
 
@@ -227,7 +227,8 @@ def test_two_ranks_share_the_count_and_a_bad_record_fails_both(tmp_path: Path) -
                                     timeout=120)
     assert first == f"{tp.text_plan}: another rank found a bad record in the text corpus " \
         "(that rank's message names it)"
-    assert second == f"{tp.text}: record of sample 8 (line 9) has no string 'text' field"
+    assert second == (f"{tp.text}: record of sample 8 (line 9): 'text' is int, not a string "
+                      "of text")
 
 
 def test_an_eval_plan_of_text_evaluates_as_its_twin(tmp_path: Path) -> None:
