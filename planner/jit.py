@@ -1,7 +1,8 @@
 """The planner's numba kernels: Python until compiling them is worth it.
 
 Compiling the kernels a plan needs costs about 23 CPU-s (140 compiles on the Quickstart's plan),
-while that plan's kernels run in 0.2 CPU-s as plain Python over numpy, and give the same bytes. So a kernel (``kernel``, ``no_refcount``) is a numba dispatcher that decides per call:
+while that plan's kernels run in 0.2 CPU-s as plain Python over numpy, and give the same bytes.
+So a kernel (``kernel``, ``no_refcount``) is a numba dispatcher that decides per call:
 
 - **compiled** when numba's on-disk cache already holds it (loading costs milliseconds), when the
   process has spent ``BUDGET_S`` CPU-seconds in kernels run as Python (a large job: compiling now
