@@ -215,19 +215,28 @@ def read_parquet(path: str, field: str | None, bad: BadRecords) -> NDArray[np.in
         return _read_batches(path, batches, columns, bad)
 
 
+def arrow_batches(source: pa.MemoryMappedFile, path: str) -> tuple[
+        pa.Schema, Iterator[pa.RecordBatch]]:
+    """The schema and record batches of an Arrow IPC file (random-access format), or else of an
+    Arrow IPC stream, in ``source`` (``path`` names it in the error).
+
+    Raises:
+        ValueError: neither.
+    """
+    try:
+        reader = ipc.open_file(source)
+        return reader.schema, (reader.get_batch(i) for i in range(reader.num_record_batches))
+    except ARROW_ERRORS:
+        source.seek(0)
+        try:
+            stream = ipc.open_stream(source)
+        except ARROW_ERRORS as e:
+            raise ValueError(f"{path}: not an Arrow IPC file or stream ({e})") from None
+        return stream.schema, iter(stream)
+
+
 def read_arrow(path: str, field: str | None, bad: BadRecords) -> NDArray[np.int64]:
     """Lengths from an Arrow IPC file (random-access format) or stream, memory-mapped."""
     with pa.memory_map(path, "r") as source:
-        try:
-            reader = ipc.open_file(source)
-            batches: Iterator[pa.RecordBatch] = (
-                reader.get_batch(i) for i in range(reader.num_record_batches))
-            schema = reader.schema
-        except ARROW_ERRORS:
-            source.seek(0)
-            try:
-                stream = ipc.open_stream(source)
-            except ARROW_ERRORS as e:
-                raise ValueError(f"{path}: not an Arrow IPC file or stream ({e})") from None
-            batches, schema = iter(stream), stream.schema
+        schema, batches = arrow_batches(source, path)
         return _read_batches(path, batches, _pick_columns(path, schema, field), bad)

@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.ipc as ipc
 from numpy.typing import NDArray
 
 from planner.sources.compressed import compression_of, iter_decompressed_lines
@@ -44,6 +43,7 @@ from planner.sources.formats import (
     CHUNK_BYTES,
     MAX_LENGTH,
     BadRecords,
+    arrow_batches,
     iter_line_chunks,
 )
 
@@ -267,18 +267,7 @@ def iter_texts(path: str, fmt: str, field: str, bad: BadRecords) -> Iterator[Tex
                 batch_size=_ROWS, columns=cols), bad)
     elif fmt == "arrow":
         with pa.memory_map(path, "r") as source:
-            try:
-                reader = ipc.open_file(source)
-                schema = reader.schema
-                batches: Iterator[pa.RecordBatch] = (
-                    reader.get_batch(i) for i in range(reader.num_record_batches))
-            except ARROW_ERRORS:
-                source.seek(0)
-                try:
-                    stream = ipc.open_stream(source)
-                except ARROW_ERRORS as e:
-                    raise ValueError(f"{path}: not an Arrow IPC file or stream ({e})") from None
-                schema, batches = stream.schema, iter(stream)
+            schema, batches = arrow_batches(source, path)
             yield from _columnar_texts(path, field, schema, batches, bad)
     else:
         raise ValueError(f"{path}: a {fmt} dataset holds token ids or lengths, not text: plan "

@@ -113,11 +113,16 @@ def open_plan_source(reader: PlanReader, paths: Paths, *, field: str | None = No
         except ValueError as e:
             raise ValueError(field_hint(str(e), recorded, field, str(reader.path))) from None
     except BaseException:
-        close = getattr(source, "close", None)
-        if close is not None:
-            close()
+        _close(source)
         raise
     return source
+
+
+def _close(source: object) -> None:
+    """Close a source that failed its checks (sources over files have ``close``)."""
+    close = getattr(source, "close", None)
+    if close is not None:
+        close()
 
 
 def _open_text(reader: PlanReader, paths: Paths, field: str | None, tokenizer: str | None,
@@ -157,9 +162,7 @@ def _open_text(reader: PlanReader, paths: Paths, field: str | None, tokenizer: s
                              ) from None
         verify_content(reader, source)
     except BaseException:
-        close = getattr(source, "close", None)
-        if close is not None:
-            close()
+        _close(source)
         raise
     return source
 
