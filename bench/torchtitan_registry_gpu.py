@@ -13,7 +13,10 @@ prepare``), the same llama3 (2 layers x 256, vocabulary 32,000), the same initia
    (``--training.mixed_precision_param bfloat16``, fp32 reductions: what ``dcp-train --dtype
    bf16`` sets), activation checkpointing off (``activation_checkpoint:none``; the debug config
    has selective), and the adapter's ``--attention torch`` (torch's fused flash varlen kernel;
-   ``te`` when Transformer Engine imports there, which the GPU image's does not);
+   ``te`` when Transformer Engine imports there, which the GPU image's does not). Under torch
+   2.11 ``import torchtitan.train`` fails before ``--module`` is read (it imports a name 2.11
+   lacks), so there the same module runs after ``compat.install`` (``--entry``, default auto:
+   ``bench/torchtitan_train_shimmed.py``);
 2. ``dcp-train``: ``dcp-train --framework torchtitan --device cuda --attention torch --dtype
    bf16`` (the ``PlanTrainer.Config`` that ``config.trainer_config`` builds), as
    ``bench/torchtitan_gpu.py run --gpus 1`` runs it;
