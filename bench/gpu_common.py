@@ -68,16 +68,18 @@ def te_importable() -> bool:
 
 
 def launch(argv: list[str], nproc: int, log: Path, stdout: Path, timeout: float,
-           module: str = "runtime.train") -> int:
-    """``python -m MODULE ARGV --log-jsonl LOG --quiet`` under ``torchrun --nproc-per-node
+           module: str = "runtime.train", last: tuple[str, ...] = ()) -> int:
+    """``python -m MODULE ARGV --log-jsonl LOG --quiet LAST`` under ``torchrun --nproc-per-node
     NPROC`` (one plain process at ``nproc`` 0), its output in ``stdout`` after the command line;
-    the exit status, 124 past ``timeout`` seconds. ``log`` is removed first."""
+    the exit status, 124 past ``timeout`` seconds. ``log`` is removed first. ``LAST``: what must
+    come after every flag (a tyro subcommand such as torchtitan's ``activation_checkpoint:none``
+    takes the flags that follow it as its own)."""
     if nproc > 0:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                str(nproc), "-m", module, *argv]
     else:  # one plain process (the oracle)
         cmd = [sys.executable, "-m", module, *argv]
-    cmd += ["--log-jsonl", str(log), "--quiet"]
+    cmd += ["--log-jsonl", str(log), "--quiet", *last]
     log.unlink(missing_ok=True)
     with open(stdout, "w") as f:
         f.write(" ".join(cmd) + "\n")
