@@ -8,15 +8,24 @@ GPU); on CPU the host's available memory (``MemAvailable``, or less under a cgro
 by this host's ranks, plus the weights a rank already holds. Every rank computes the same
 figures from the same plan, so every rank refuses alike (no rank waits on a collective that the
 others left). ``--no-memory-check`` skips it (swap, or an estimate known to be pessimistic).
+
+The adapters (``--framework megatron`` / ``torchtitan``) call ``check_adapter_memory``: the same
+estimate of the same GPT shape, with the weights, gradients and Adam's moments divided over the
+ranks that shard them (torchtitan's FSDP, Megatron's distributed optimizer), and skipped with a
+notice where ``planner.memory`` does not model the run (tensor or pipeline parallelism).
 """
 
 from __future__ import annotations
+
+import sys
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from planner.memory import Heaviest, MemoryModel, gib, over_budget, step_heaviest
 from runtime.data.plan_reader import PlanReader
+from runtime.train.config import TrainConfig
 from runtime.train.model import GPTConfig
 
 
@@ -66,13 +75,27 @@ def device_budget(model: MemoryModel, device: torch.device) -> tuple[float, str]
                    f"({gib(available)} available)")
 
 
+def shard_state(model: MemoryModel, *, weights: int, optimizer: int) -> MemoryModel:
+    """``model`` with its weights and gradients (8 of the 16 bytes a parameter) split over
+    ``weights`` ranks and Adam's moments (the other 8) over ``optimizer`` ranks; what a rank holds
+    at the check (its weights) over ``weights``. Sharding's gathered buffers are left out, so
+    the figure stays below what a rank holds: it refuses only what cannot fit."""
+    per_param = model.fixed_bytes / 16.0
+    return replace(model, fixed_bytes=per_param * (8.0 / weights + 8.0 / optimizer),
+                   resident_bytes=model.resident_bytes / weights)
+
+
 def check_memory(plan: str, reader: PlanReader, model_config: GPTConfig, attention: str,
-                 device: torch.device, steps: range) -> None:
-    """Raise ValueError naming the heaviest microbatch of ``steps`` when it would not fit.
+                 device: torch.device, steps: range, *, weight_shards: int = 1,
+                 optimizer_shards: int = 1) -> None:
+    """Raise ValueError naming the heaviest microbatch of ``steps`` when it would not fit
+    (``shard_state`` for the shards).
 
     On CPU every rank must call it (it counts the ranks on the host: a collective).
     """
     model = memory_model(model_config, attention, device)
+    if weight_shards > 1 or optimizer_shards > 1:
+        model = shard_state(model, weights=weight_shards, optimizer=optimizer_shards)
     budget = device_budget(model, device)
     found = heaviest(reader, model, steps)
     if budget is None or found is None or found.peak_bytes <= budget[0]:
@@ -80,3 +103,23 @@ def check_memory(plan: str, reader: PlanReader, model_config: GPTConfig, attenti
     raise ValueError(f"{plan}: {over_budget(found, model, budget[0], budget[1])}; plan with a "
                      f"smaller --max-tokens-per-rank (and --long-sequences split), use fused "
                      f"attention (--attention te or torch on CUDA), or pass --no-memory-check")
+
+
+def check_adapter_memory(cfg: TrainConfig, reader: PlanReader, model_config: GPTConfig,
+                         device: torch.device, steps: range, *, weight_shards: int = 1,
+                         optimizer_shards: int = 1, unmodelled: str = "") -> None:
+    """``check_memory`` for an adapter, before its first step, on every rank (the same figures
+    from the same plan on each, so all refuse alike). Nothing with ``--no-memory-check``; a
+    one-line notice (rank 0) instead of a check where ``unmodelled`` names what
+    ``planner.memory`` does not model. MoE and MTP are estimated as the dense model (the caller
+    passes the expert width as ``ffn_hidden_size``; the other experts and the MTP layers are not
+    counted): rough and low, so it refuses only what even that part cannot fit."""
+    if not cfg.memory_check:
+        return
+    if unmodelled:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"dcp-train: memory check skipped: planner/memory.py does not model "
+                  f"{unmodelled} (--no-memory-check silences this)", file=sys.stderr, flush=True)
+        return
+    check_memory(cfg.plan, reader, model_config, cfg.attention, device, steps,
+                 weight_shards=weight_shards, optimizer_shards=optimizer_shards)

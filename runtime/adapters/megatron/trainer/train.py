@@ -56,6 +56,7 @@ from runtime.train import checkpoint as native_checkpoint
 from runtime.train.build import checkpoint_meta
 from runtime.train.config import TrainConfig, should_evaluate, step_range
 from runtime.train.megatron_options import MegatronOptions
+from runtime.train.memcheck import check_adapter_memory
 from runtime.train.model import GPTConfig
 from runtime.train.preflight import check_resume_step, require_training_plan, run_inputs
 from runtime.train.procgroup import resolve_device
@@ -267,6 +268,21 @@ class MegatronTrainer:
             if close is not None:
                 close()
 
+    def check_memory(self, steps: range) -> None:
+        """The native check (``runtime.train.memcheck``) before the first step, on every rank:
+        the dense model at the experts' width for MoE, the distributed optimizer's moments
+        split over the pool; skipped (a notice) under TP or PP, which the estimate lacks."""
+        par, options = self.par, self.options
+        shape = self.model_config
+        if options.moe:
+            shape = replace(shape, ffn_hidden_size=options.moe_ffn_hidden_size or shape.ffn_size)
+        unmodelled = (f"tensor or pipeline parallelism (tp {par.tp}, pp {par.pp})"
+                      if par.tp > 1 or par.pp > 1 else "")
+        sharded = options.grad_sync != "pool" and options.use_distributed_optimizer
+        check_adapter_memory(self.cfg, self.reader, shape, self.device, steps,
+                             optimizer_shards=dist.get_world_size() if sharded else 1,
+                             unmodelled=unmodelled)
+
     def run(self, after_step: Callable[[int], None] | None = None) -> TrainResult:
         """Steps [start, stop); rank 0 logs one JSON line per step. ``after_step(step)`` runs
         after each step's update (tests read the reduced gradients there)."""
@@ -276,6 +292,7 @@ class MegatronTrainer:
             steps = step_range(self.cfg, self.start_step, self.reader.num_steps)
             if not self.has_steps:  # resumed where the run ends (a notice was printed)
                 steps = range(0)
+            self.check_memory(steps)
             logger.begin(len(steps))
             for step in steps:
                 log = self.step(step)
