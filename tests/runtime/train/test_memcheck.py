@@ -83,3 +83,33 @@ def test_the_quadratic_term_is_what_the_reference_attention_holds(layers: int) -
                          "reference", torch.device("cpu"))
     predicted = model.per_score * (model.held + model.transient) * (4096**2 - 32 * 128**2)
     assert measured == pytest.approx(predicted, rel=0.1), (measured, predicted)
+
+
+def test_the_adapters_entry_skips_what_the_estimate_does_not_model(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``check_adapter_memory`` (the adapters' entry): a run the estimate cannot judge (TP or
+    PP) gets a one-line notice and runs; the same run judged is refused; and nothing at all
+    with ``--no-memory-check``."""
+    from dataclasses import replace
+
+    from runtime.train.config import TrainConfig
+    from runtime.train.memcheck import check_adapter_memory
+
+    lengths = np.array([40, 300_000, 25, 60])
+    data = _write_dataset(tmp_path / "data.arrow", lengths)
+    config = PlannerConfig(parallel=ParallelConfig(dp=1, cp=1),
+                           capacity_tokens_per_rank=1 << 19, global_batch_size=4)
+    plan = make_plan(read_lengths(data), config, load_cost_model("default"))
+    path = write_plan(tmp_path / "plan.arrow", plan.header, plan.record_batches())
+    cfg = TrainConfig(plan=str(path), dataset=str(data))
+    model, cpu = GPTConfig(vocab_size=64, hidden_size=32), torch.device("cpu")
+    with PlanReader(path) as reader:
+        check_adapter_memory(cfg, reader, model, cpu, range(1), unmodelled="tp 2")
+        assert capsys.readouterr().err == ("dcp-train: memory check skipped: planner/memory.py "
+                                           "does not model tp 2 (--no-memory-check silences "
+                                           "this)\n")
+        with pytest.raises(ValueError, match="step 0 microbatch .* needs about"):
+            check_adapter_memory(cfg, reader, model, cpu, range(1))
+        check_adapter_memory(replace(cfg, memory_check=False), reader, model, cpu, range(1),
+                             unmodelled="tp 2")
+        assert capsys.readouterr().err == ""

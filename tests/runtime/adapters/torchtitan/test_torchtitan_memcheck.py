@@ -1,0 +1,81 @@
+"""``dcp-train --framework torchtitan`` checks the heaviest microbatch against the host before
+its first step, as the native engine does (issue 33, item 5): on 2 real gloo ranks whose host
+budget is lowered to nothing (each rank's share is then the FSDP shard of the weights it holds),
+every rank refuses with the same message naming the step, the microbatch and both figures, and
+no step runs; with ``--no-memory-check`` the same run trains."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from planner.config import ParallelConfig, PlannerConfig
+from planner.cost import load_cost_model
+from planner.plan import make_plan
+from planner.planfile.io import write_plan
+from planner.sources.lengths import read_lengths
+from runtime.data.plan_reader import PlanReader
+from runtime.train.config import TrainConfig
+from runtime.train.memcheck import heaviest, memory_model, shard_state
+from runtime.train.model import GPTConfig
+from tests.dist import run_distributed
+from tests.runtime.train.test_train_dist import _write_dataset
+
+pytest.importorskip("torchtitan")
+
+pytestmark = pytest.mark.dist
+
+MODEL = GPTConfig(vocab_size=64, num_layers=2, hidden_size=64, num_heads=4, num_query_groups=2)
+
+
+def _rank(rank: int, world_size: int, store: str, config: TrainConfig) -> dict[str, Any]:
+    del rank, world_size, store
+    import runtime.calibrate.memory as host
+    from runtime.adapters.torchtitan import build_trainer
+
+    host.host_available_bytes = lambda: 0  # this process's budget: the weights it holds
+    out: dict[str, Any] = {}
+    for check in (True, False):
+        try:
+            trainer = build_trainer(replace(config, memory_check=check), MODEL)
+        except ValueError as e:
+            out[str(check)] = str(e)
+            continue
+        try:
+            trainer.train()
+            out[str(check)] = [log.step for log in trainer.logs]
+        finally:
+            trainer.close()
+    return out
+
+
+def test_every_rank_refuses_before_step_0_and_no_memory_check_trains(tmp_path: Path) -> None:
+    rng = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, 60, (16,), generator=rng).numpy()
+    data = _write_dataset(tmp_path / "data.arrow", lengths)
+    made = make_plan(read_lengths(data),
+                     PlannerConfig(parallel=ParallelConfig(dp=1, cp=2),
+                                   capacity_tokens_per_rank=32, global_batch_size=8, seed=3),
+                     load_cost_model("default"))
+    plan = write_plan(tmp_path / "plan.arrow", made.header, made.record_batches())
+    config = TrainConfig(plan=str(plan), dataset=str(data), steps=2, seed=7, quiet=True)
+    ranks = run_distributed(_rank, 2, config, timeout=300)
+    # The llama3's SwiGLU width (8/3 x 64, a multiple of 16); FSDP shards all over 2 ranks.
+    model = shard_state(memory_model(replace(MODEL, ffn_hidden_size=176), "reference",
+                                     torch.device("cpu")), weights=2, optimizer=2)
+    found = heaviest(PlanReader(plan), model, range(2))
+    assert found is not None
+    budget = model.resident_bytes  # 0 available, shared by 2 ranks, plus the shard held
+    want = (f"{plan}: step {found.step} microbatch {found.microbatch} (CP group of "
+            f"{found.cp_size} at rank {found.rank_start}, longest sequence {found.longest:,} "
+            f"padded tokens) needs about {found.peak_bytes / 2**30:.2f} GiB per rank, more than "
+            f"this host's available memory shared by its 2 rank(s) (0.00 GiB available) "
+            f"({budget / 2**30:.2f} GiB)")
+    assert ranks[0]["True"] == ranks[1]["True"]
+    assert ranks[0]["True"].startswith(want), ranks[0]["True"]
+    assert ranks[0]["True"].endswith("or pass --no-memory-check")
+    assert ranks[0]["False"] == [0, 1]  # --no-memory-check: both steps ran
