@@ -102,7 +102,8 @@ def check_memory(plan: str, reader: PlanReader, model_config: GPTConfig, attenti
         return
     raise ValueError(f"{plan}: {over_budget(found, model, budget[0], budget[1])}; plan with a "
                      f"smaller --max-tokens-per-rank (and --long-sequences split), use fused "
-                     f"attention (--attention te or torch on CUDA), or pass --no-memory-check")
+                     f"attention on CUDA (--attention te, or torch where the engine has it), or "
+                     "pass --no-memory-check")
 
 
 def check_adapter_memory(cfg: TrainConfig, reader: PlanReader, model_config: GPTConfig,
