@@ -162,8 +162,8 @@ def _plan_parser() -> argparse.ArgumentParser:
     sol.add_argument("--min-cp", type=positive_int, default=1,
                      help="smallest group size for any sequence")
     sol.add_argument("--long-sequences", choices=LONG_SEQUENCE_POLICIES, default="error",
-                     help="a sample longer than the whole pool holds: error, split, truncate, "
-                     "drop")
+                     help="a sample longer than the whole pool holds (or, with "
+                     "--memory-per-rank, than the limit holds): error, split, truncate, drop")
     sol.add_argument("--cost-model", default="default",
                      help="cost-model preset name or JSON file (see planner/presets)")
     sol.add_argument("--effort", choices=EFFORTS, default="balanced", help=EFFORT_HELP)
@@ -315,10 +315,12 @@ def _memory_cap(config: PlannerConfig, model: MemoryModel, budget: int
     """With ``--long-sequences split``, ``config`` capped at the longest segment ``budget``
     holds in any group, so the plan passes the limit by construction; else ``config``. And the
     refusal's advice: split (naming the cap) when splitting would help."""
-    from planner.longseq import memory_segment_cap
+    from planner.longseq import memory_segment_cap, segment_capacity
     from planner.memory import REFUSAL_HINT
 
     cap = memory_segment_cap(config, model, budget)
+    if cap >= segment_capacity(config)[0]:  # the pool's rule is the tighter: nothing to cap
+        return config, REFUSAL_HINT
     if not cap:
         return config, ("a group packed full at --max-tokens-per-rank is over it whatever its "
                         "sequences' lengths: lower --max-tokens-per-rank or --cp-sizes' "
