@@ -173,6 +173,16 @@ def test_the_cap_holds_in_every_group_not_only_the_largest() -> None:
     assert memory_segment_cap(config, model, model.fixed_bytes) == 0
 
 
+def test_no_split_helps_a_limit_the_capacity_alone_exceeds(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # 100 MB: one rank's activations at 16,384 tokens alone are about 400 MB.
+    argv = [str(_data(tmp_path)), "-o", str(tmp_path / "p.arrow"), *FLAGS, "--memory-per-rank",
+            "100MB", "--memory-model", REFERENCE, "--long-sequences", "split"]
+    assert main(argv) == 2
+    assert ("a group packed full at --max-tokens-per-rank is over it whatever its sequences' "
+            "lengths: lower --max-tokens-per-rank") in capsys.readouterr().err
+
+
 def test_plans_without_a_limit_record_nothing_new(tmp_path: Path) -> None:
     out = tmp_path / "p.arrow"
     assert main([str(_data(tmp_path)), "-o", str(out), *FLAGS, "--long-sequences", "split",
