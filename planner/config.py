@@ -143,6 +143,11 @@ class PlannerConfig:
     """Smallest group size for any sequence."""
     long_sequences: str = "error"
     """What to do with a sample longer than the whole pool holds: error, split, truncate, drop."""
+    max_segment_tokens: int = 0
+    """With ``long_sequences="split"``: also split every sample longer than this into segments
+    of at most this many tokens (0: no cap, only what the pool holds). ``dcp-plan
+    --memory-per-rank`` sets it to the longest segment the memory limit keeps every group
+    within (planner/memory.py, ``MemoryModel.segment_cap``)."""
     drop_last: bool = False
     """Drop an epoch's final partial global batch instead of planning it as a short step."""
     effort: str = "balanced"
@@ -194,6 +199,10 @@ class PlannerConfig:
                 f"long_sequences must be one of {', '.join(LONG_SEQUENCE_POLICIES)}, "
                 f"got {self.long_sequences!r}"
             )
+        if self.max_segment_tokens < 0 or (self.max_segment_tokens
+                                           and self.long_sequences != "split"):
+            raise ValueError(f"max_segment_tokens {self.max_segment_tokens} needs "
+                             "long_sequences split and must not be negative")
         if self.kind not in PLAN_KINDS:
             raise ValueError(f"kind must be one of {', '.join(PLAN_KINDS)}, got {self.kind!r}")
         if self.kind == EVAL:

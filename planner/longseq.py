@@ -7,6 +7,8 @@ the same step;
 ``truncate`` keeps its first ``segment_tokens`` tokens; ``drop`` leaves it out. Example: N=16,
 C=16384, zigzag: a group of 16 holds 262,144 padded tokens, so a 600,000-token sample splits into
 segments at token offsets 0, 262144 and 524288 (75,712 tokens, which runs at CP 8).
+With ``max_segment_tokens`` (``dcp-plan --memory-per-rank``), ``split`` also cuts every sample
+longer than it, and no segment is longer: the memory limit, not only the pool, bounds a segment.
 
 ``apply_long_policy`` decides per sample (one pass over the lengths); ``segments`` expands a
 batch's samples into the segments the solver places.
@@ -15,6 +17,7 @@ batch's samples into the segments the solver places.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.typing import NDArray
@@ -23,6 +26,9 @@ from planner.config import PlannerConfig
 from planner.groups import MAX_SEGMENT_TOKENS, pad_multiple
 from planner.jit import kernel
 from planner.planfile.stats import min_padded
+
+if TYPE_CHECKING:
+    from planner.memory import MemoryModel
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -34,6 +40,8 @@ class LongPolicyResult:
     split: NDArray[np.bool_]
     """Samples cut into segments of ``segment_tokens``."""
     segment_tokens: int
+    split_for_memory: NDArray[np.int64]
+    """Split samples that the pool holds whole but ``max_segment_tokens`` does not (sorted)."""
     dropped: NDArray[np.int64]
     """Samples placed nowhere: policy drops, skipped records, empty samples (sorted)."""
     truncated: list[list[int]]
@@ -51,6 +59,16 @@ def segment_capacity(config: PlannerConfig) -> tuple[int, int]:
     return best
 
 
+def memory_segment_cap(config: PlannerConfig, model: MemoryModel, budget: float) -> int:
+    """The longest segment that keeps every group of ``config`` within ``budget`` bytes a rank
+    (``MemoryModel.segment_cap``): at most what the pool holds, 0 when no cap helps."""
+    tp_eff = config.parallel.tp_eff
+    multiples = tuple(pad_multiple(k, tp_eff, config.layout, config.pad_to_multiple)
+                      for k in config.sizes)
+    return model.segment_cap(budget, config.sizes, config.capacity_tokens_per_rank, multiples,
+                             max(segment_capacity(config)[0], 1))
+
+
 MAX_SEGMENTS_PER_SAMPLE = 4096
 """A split sample becomes at most this many segments (all in one step, about one microbatch
 each); more is a mistake in the data or the capacity, refused before allocating per segment."""
@@ -63,8 +81,15 @@ def apply_long_policy(lengths: NDArray[np.int64], config: PlannerConfig, *,
     cap = config.capacity_tokens_per_rank
     fits = min_padded(lengths, config.sizes, cap, tp_eff, config.layout,
                       config.pad_to_multiple) > 0
-    long_idx = np.flatnonzero(~fits & (lengths > 0))
     seg, seg_k = segment_capacity(config)
+    for_memory = np.zeros(0, dtype=np.int64)
+    if config.max_segment_tokens and config.long_sequences == "split":
+        # A memory limit's cap (planner/memory.py): samples the pool holds but the limit does
+        # not are split too, and every split sample's segments are at most the cap.
+        for_memory = np.flatnonzero(fits & (lengths > config.max_segment_tokens))
+        fits &= lengths <= config.max_segment_tokens
+        seg = min(seg, config.max_segment_tokens)
+    long_idx = np.flatnonzero(~fits & (lengths > 0))
     tokens = np.where(lengths > 0, lengths, 0).astype(np.int64)
     split = np.zeros(len(lengths), dtype=np.bool_)
     dropped = np.flatnonzero(lengths <= 0)
@@ -89,8 +114,9 @@ def apply_long_policy(lengths: NDArray[np.int64], config: PlannerConfig, *,
                 raise ValueError(
                     f"{source}: sample {j} has {int(lengths[j])} tokens: split into segments of "
                     f"{seg} it would need {int(count[worst])} microbatches in one step (at most "
-                    f"{MAX_SEGMENTS_PER_SAMPLE}); raise --max-tokens-per-rank, or use "
-                    "--long-sequences truncate or drop")
+                    f"{MAX_SEGMENTS_PER_SAMPLE}); raise --max-tokens-per-rank"
+                    + (" or --memory-per-rank" if config.max_segment_tokens else "")
+                    + ", or use --long-sequences truncate or drop")
             split[long_idx] = True
         elif policy == "truncate":
             tokens[long_idx] = seg
@@ -99,6 +125,7 @@ def apply_long_policy(lengths: NDArray[np.int64], config: PlannerConfig, *,
             tokens[long_idx] = 0
             dropped = np.union1d(dropped, long_idx)
     return LongPolicyResult(tokens=tokens, split=split, segment_tokens=seg,
+                            split_for_memory=for_memory.astype(np.int64),
                             dropped=dropped.astype(np.int64), truncated=truncated)
 
 

@@ -116,6 +116,47 @@ class MemoryModel:
             lo, hi = (mid, hi) if peak <= budget else (lo, mid - 1)
         return lo
 
+    def worst_group_peak(self, length: int, sizes: tuple[int, ...], capacity: int,
+                         multiples: tuple[int, ...]) -> float:
+        """The highest per-rank peak of any group a plan can form when no sequence holds more
+        than ``length`` real tokens: at each size k (padding multiple m), a group packed full
+        (k x ``capacity`` padded tokens) with sequences of the longest padded length that fits,
+        which maximizes every term (the sum of squares under a fixed sum and a cap on each is
+        largest with as many at the cap as fit)."""
+        worst = 0.0
+        for k, m in zip(sizes, multiples, strict=True):
+            hold = k * capacity // m * m
+            top = min(-(-length // m) * m, hold)
+            if top <= 0:
+                continue
+            q, r = divmod(hold, top)
+            peak = self.group_peaks(np.array([k]), np.array([hold]),
+                                    np.array([float(q) * top * top + float(r) * r]),
+                                    np.array([top]))[0]
+            worst = max(worst, float(peak))
+        return worst
+
+    def segment_cap(self, budget: float, sizes: tuple[int, ...], capacity: int,
+                    multiples: tuple[int, ...], upper: int) -> int:
+        """The longest segment (real tokens, at most ``upper``) that keeps every group a plan
+        can form within ``budget`` (``worst_group_peak``), rounded down to the largest size's
+        padding multiple where that leaves one; ``upper`` when it already does, 0 when even a
+        1-token cap does not (the capacity alone is over: splitting cannot help).
+
+        Not ``longest_fitting`` at the largest size: the solver may place a segment in the
+        smallest group that holds it, where each rank holds more of its L x L scores."""
+        if self.worst_group_peak(upper, sizes, capacity, multiples) <= budget:
+            return upper
+        if self.worst_group_peak(1, sizes, capacity, multiples) > budget:
+            return 0
+        lo, hi = 1, upper - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            ok = self.worst_group_peak(mid, sizes, capacity, multiples) <= budget
+            lo, hi = (mid, hi) if ok else (lo, mid - 1)
+        m = multiples[-1]
+        return lo // m * m if lo >= m else lo
+
 
 @dataclass(frozen=True, slots=True)
 class Heaviest:
@@ -128,6 +169,8 @@ class Heaviest:
     peak_bytes: float
     longest: int
     """Its longest padded sequence."""
+    sample: int = -1
+    """The sample that sequence is (of) (-1: columns without ``sample_index``)."""
 
 
 def step_heaviest(model: MemoryModel, step: int, cols: dict[str, NDArray[Any]]
@@ -141,16 +184,20 @@ def step_heaviest(model: MemoryModel, step: int, cols: dict[str, NDArray[Any]]
     peaks = model.group_peaks(cols["cp_size"][first], np.add.reduceat(p, first),
                               np.add.reduceat(p * p, first), np.maximum.reduceat(p, first))
     g = int(np.argmax(peaks))
+    end = first[g + 1] if g + 1 < len(first) else len(mb)
+    top = int(first[g] + np.argmax(p[first[g]:end]))
+    samples = cols.get("sample_index")
     return Heaviest(step, int(mb[first[g]]), int(start[first[g]]),
-                    int(cols["cp_size"][first[g]]), float(peaks[g]),
-                    int(np.maximum.reduceat(p, first)[g]))
+                    int(cols["cp_size"][first[g]]), float(peaks[g]), int(p[top]),
+                    -1 if samples is None else int(samples[top]))
 
 
 def over_budget(h: Heaviest, model: MemoryModel, budget: float, what: str) -> str:
     """The refusal's text: step, microbatch, group, both figures and the longest that fits."""
     fits = model.longest_fitting(h.cp_size, budget)
+    of = f" of sample {h.sample}" if h.sample >= 0 else ""
     return (f"step {h.step} microbatch {h.microbatch} (CP group of {h.cp_size} at rank "
-            f"{h.rank_start}, longest sequence {h.longest:,} padded tokens) needs about "
+            f"{h.rank_start}, longest sequence {h.longest:,} padded tokens{of}) needs about "
             f"{gib(h.peak_bytes)} per rank, more than {what} ({gib(budget)}); a rank of that "
             f"group holds one sequence of at most {fits:,} tokens of this model "
             f"({model.description})")
@@ -190,13 +237,15 @@ def parse_shape(text: str) -> MemoryModel:
                                   attention=attention, device=device)
 
 
+REFUSAL_HINT = ("lower --max-tokens-per-rank or --cp-sizes' largest (with --long-sequences "
+                "split), or plan for fused attention")
+
+
 def refuse_over(steps: Iterator[dict[str, NDArray[Any]]], model: MemoryModel, budget: float,
-                what: str) -> Iterator[dict[str, NDArray[Any]]]:
+                what: str, hint: str = REFUSAL_HINT) -> Iterator[dict[str, NDArray[Any]]]:
     """``steps`` passed through; ValueError at the first microbatch over ``budget`` bytes."""
     for i, cols in enumerate(steps):
         h = step_heaviest(model, i, cols)
         if h is not None and h.peak_bytes > budget:
-            raise ValueError(over_budget(h, model, budget, what)
-                             + "; lower --max-tokens-per-rank or --cp-sizes' largest (with "
-                             "--long-sequences split), or plan for fused attention")
+            raise ValueError(f"{over_budget(h, model, budget, what)}; {hint}")
         yield cols

@@ -254,6 +254,10 @@ class PlanStream:
             # Steps whose rows came from each candidate (solver/candidates.py), sorted by name.
             "candidate_steps": dict(sorted(self.sources.items())),
         })
+        if config.max_segment_tokens:
+            # Only with a memory cap: plans without one keep their bytes.
+            stats["max_segment_tokens"] = config.max_segment_tokens
+            stats["split_for_memory"] = policy.split_for_memory.tolist()
         if config.drop_last and self.blend is None:
             stats["undrawn_samples"] = [np.sort(u).tolist() for u in self.undrawn]
         global_batch: dict[str, Any] = {"size": config.global_batch_size,

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from planner.cli.args import (
     EFFORT_HELP,
@@ -49,6 +51,9 @@ from planner.config import (
     SolverConfig,
 )
 from planner.groups import LAYOUTS
+
+if TYPE_CHECKING:
+    from planner.memory import MemoryModel
 
 PROG = "dcp-plan"
 USAGE = """dcp-plan [plan] DATASET... --dp D [--cp C] --max-tokens-per-rank CAP
@@ -128,8 +133,9 @@ def _plan_parser() -> argparse.ArgumentParser:
                    help="real tokens per optimizer step (samples added in permutation order)")
     bat.add_argument("--memory-per-rank", default="", metavar="SIZE",
                      help="refuse a plan with a microbatch whose estimated peak on one rank "
-                     "(planner/memory.py) exceeds SIZE, e.g. 80GB or 80GiB; needs "
-                     "--memory-model")
+                     "(planner/memory.py) exceeds SIZE, e.g. 80GB or 80GiB; with "
+                     "--long-sequences split, split every sample too long for it into "
+                     "segments that fit instead; needs --memory-model")
     bat.add_argument("--memory-model", default="", metavar="SHAPE",
                      help="the model's shape for --memory-per-rank: KEY=VALUE,... of vocab, "
                      "layers, hidden, heads, query-groups, ffn, attention (reference, torch, "
@@ -156,8 +162,8 @@ def _plan_parser() -> argparse.ArgumentParser:
     sol.add_argument("--min-cp", type=positive_int, default=1,
                      help="smallest group size for any sequence")
     sol.add_argument("--long-sequences", choices=LONG_SEQUENCE_POLICIES, default="error",
-                     help="a sample longer than the whole pool holds: error, split, truncate, "
-                     "drop")
+                     help="a sample longer than the whole pool holds (or, with "
+                     "--memory-per-rank, than the limit holds): error, split, truncate, drop")
     sol.add_argument("--cost-model", default="default",
                      help="cost-model preset name or JSON file (see planner/presets)")
     sol.add_argument("--effort", choices=EFFORTS, default="balanced", help=EFFORT_HELP)
@@ -237,6 +243,9 @@ def cmd_plan(argv: list[str]) -> int:
         effort=args.effort, cost_model=args.cost_model, **engine,
         blend=tuple(weights or ()),
         solver=SolverConfig(microbatch_tolerance=args.microbatch_tolerance))
+    hint = ""
+    if memory is not None:  # the longest segment the limit holds (planner/memory.py)
+        config, hint = _memory_cap(config, *memory)
     cost = load_cost_model(args.cost_model)
     out = Path(args.output) if args.output else default_output(items[0])
     # Before reading anything: the outputs must not be inputs, nor files of another kind.
@@ -285,7 +294,7 @@ def cmd_plan(argv: list[str]) -> int:
             from planner.memory import refuse_over
 
             steps = refuse_over(steps, memory[0], memory[1],
-                                f"--memory-per-rank {args.memory_per_rank}")
+                                f"--memory-per-rank {args.memory_per_rank}", hint)
         write_plan_stream(out, steps, header, lengths=table.lengths,
                           overwrite=args.overwrite)
         compiled["validate+write"] = numbacache.compile_totals()
@@ -299,3 +308,25 @@ def cmd_plan(argv: list[str]) -> int:
                  json_path=args.summary_json, quiet=args.quiet)
     return 0
 
+
+
+def _memory_cap(config: PlannerConfig, model: MemoryModel, budget: int
+                ) -> tuple[PlannerConfig, str]:
+    """With ``--long-sequences split``, ``config`` capped at the longest segment ``budget``
+    holds in any group, so the plan passes the limit by construction; else ``config``. And the
+    refusal's advice: split (naming the cap) when splitting would help."""
+    from planner.longseq import memory_segment_cap, segment_capacity
+    from planner.memory import REFUSAL_HINT
+
+    cap = memory_segment_cap(config, model, budget)
+    if cap >= segment_capacity(config)[0]:  # the pool's rule is the tighter: nothing to cap
+        return config, REFUSAL_HINT
+    if not cap:
+        return config, ("a group packed full at --max-tokens-per-rank is over it whatever its "
+                        "sequences' lengths: lower --max-tokens-per-rank or --cp-sizes' "
+                        "largest, or plan for fused attention")
+    if config.long_sequences == "split":
+        return replace(config, max_segment_tokens=cap), REFUSAL_HINT
+    return config, (f"with --long-sequences split, every sample over {cap:,} tokens is split "
+                    "into segments that fit; or lower --max-tokens-per-rank, or plan for fused "
+                    "attention")

@@ -121,6 +121,8 @@ def plan_summary(header: PlanHeader, out: str | Path, phases: dict[str, float],
                  for name, d in describe(s, p.cp).items()},
         "gain_text": gain_text(s, p.cp),
         "split_samples": len(s.get("split_samples", [])),
+        # Of them, samples the pool holds whole but --memory-per-rank's cap does not.
+        "split_for_memory": len(s.get("split_for_memory", [])),
         "truncated_samples": len(s.get("truncated_samples", [])),
         "dropped_samples": len(s.get("dropped_samples", [])),
         "skipped_bad_records": int(s.get("skipped_bad_records", 0)),
@@ -247,6 +249,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"warning   {s['cost_model_warning']}")
     policy = [f"{s[k]} {k.split('_')[0]}" for k in
               ("split_samples", "truncated_samples", "dropped_samples") if s[k]]
+    if s["split_for_memory"]:
+        policy[0] += f" ({s['split_for_memory']} for --memory-per-rank)"
     if s["skipped_bad_records"]:
         policy.append(f"{s['skipped_bad_records']} bad records skipped")
     if policy:

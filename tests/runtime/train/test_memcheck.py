@@ -45,8 +45,8 @@ def test_a_long_document_is_refused_before_the_first_step(
                         torch.device("cpu")).group_peaks(
         np.array([1]), np.array([300_000]), np.array([300_000.0**2]), np.array([300_000]))[0]
     assert (f"step 0 microbatch {mb} (CP group of 1 at rank 0, longest sequence 300,000 "
-            f"padded tokens) needs about {want / 2**30:.2f} GiB per rank, more than this "
-            f"host's available memory shared by its 1 rank(s) (") in err
+            f"padded tokens of sample 1) needs about {want / 2**30:.2f} GiB per rank, more than "
+            f"this host's available memory shared by its 1 rank(s) (") in err
     assert "--no-memory-check" in err
     assert log.read_text() == ""  # refused before any step ran
 
