@@ -72,7 +72,8 @@ def test_every_rank_refuses_before_step_0_and_no_memory_check_trains(tmp_path: P
     budget = model.resident_bytes  # 0 available, shared by 2 ranks, plus the shard held
     want = (f"{plan}: step {found.step} microbatch {found.microbatch} (CP group of "
             f"{found.cp_size} at rank {found.rank_start}, longest sequence {found.longest:,} "
-            f"padded tokens) needs about {found.peak_bytes / 2**30:.2f} GiB per rank, more than "
+            f"padded tokens of sample {found.sample}) needs about "
+            f"{found.peak_bytes / 2**30:.2f} GiB per rank, more than "
             f"this host's available memory shared by its 2 rank(s) (0.00 GiB available) "
             f"({budget / 2**30:.2f} GiB)")
     assert ranks[0]["True"] == ranks[1]["True"]
