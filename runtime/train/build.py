@@ -79,21 +79,22 @@ def optimizer_settings(param_groups: Iterable[dict[str, Any]]) -> list[tuple[flo
 
 
 def check_saved_settings(directory: str | Path, *, built: list[tuple[float, float]],
-                         loaded: list[tuple[float, float]], wants: tuple[float, float],
+                         loaded: list[tuple[float, float]],
                          flags: tuple[str, str] = SETTING_FLAGS) -> None:
     """After a resume: every group's settings loaded from ``directory`` must be those this run
     built (``built``, from ``optimizer_settings`` before the load). An optimizer's
     ``load_state_dict`` restores the saved ``lr`` and ``weight_decay`` (as do Megatron's and
     torchtitan's schedulers from their own state), so another ``--lr`` would be ignored
-    silently; it is refused, naming the saved value and this run's (``wants``, by ``flags``).
+    silently; it is refused, naming the saved value and this run's (by ``flags``).
     Groups hold what the engine built, so a group without decay (0.0) is compared with 0.0."""
-    for i, (flag, want) in enumerate(zip(flags, wants, strict=True)):
-        saved = sorted({got[i] for got, ours in zip(loaded, built, strict=True)
-                        if got[i] != ours[i]})
-        if saved:
-            value = ", ".join(f"{v:g}" for v in saved)
+    for i, flag in enumerate(flags):
+        differ = [(got[i], ours[i]) for got, ours in zip(loaded, built, strict=True)
+                  if got[i] != ours[i]]
+        if differ:
+            value = ", ".join(f"{v:g}" for v in sorted({got for got, _ in differ}))
+            want = ", ".join(f"{v:g}" for v in sorted({ours for _, ours in differ}))
             raise ValueError(f"{directory}: the checkpoint was saved with {flag} {value}, this "
-                             f"run has {flag} {want:g}; resume with {flag} {value} (the "
+                             f"run has {flag} {want}; resume with {flag} {value} (the "
                              "optimizer state carries it), or start a new run")
 
 
@@ -103,6 +104,5 @@ def check_saved_optimizer(cfg: TrainConfig, optimizer: Any, directory: str | Pat
     ``param_groups``) against ``--lr`` and ``--weight-decay``; ``built`` defaults to every group
     at the flags' values (the native AdamW's single group)."""
     loaded = optimizer_settings(optimizer.param_groups)
-    check_saved_settings(directory, loaded=loaded, wants=(cfg.lr, cfg.weight_decay),
-                         built=built if built is not None
+    check_saved_settings(directory, loaded=loaded, built=built if built is not None
                          else [(float(cfg.lr), float(cfg.weight_decay))] * len(loaded))
