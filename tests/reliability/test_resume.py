@@ -121,6 +121,26 @@ def test_torchtitan_resume_refuses_another_lr_or_weight_decay(titan: Path) -> No
         "--weight-decay 0.1" in done.stderr
 
 
+def test_torchtitan_replace_checkpoints_is_refused_not_ignored(titan: Path) -> None:
+    """Another run (no --resume) saving into a directory of torchtitan checkpoints is refused;
+    --replace-checkpoints was ignored silently (the same refusal, the flag not named). It cannot
+    be honoured: torchtitan's resume loads the highest step-N, no latest pointer to move, so the
+    other run's checkpoints would stay the ones loaded. Now refused saying so."""
+    ck = titan / "ck"
+    before = _digest(ck)
+    done = _train(titan, "--steps", "2", "--seed", "1", "--save", str(ck))
+    assert done.returncode == 2, done.stderr
+    assert f"--save {ck} already holds checkpoints; pass --resume" in done.stderr
+    done = _train(titan, "--steps", "2", "--seed", "1", "--save", str(ck),
+                  "--replace-checkpoints")
+    assert done.returncode == 2, done.stderr
+    assert no_traceback(done.stderr), done.stderr
+    assert f"--save {ck} already holds checkpoints, which --replace-checkpoints cannot " \
+        "replace with --framework torchtitan: torchtitan keeps no latest pointer" in done.stderr
+    assert '"step"' not in done.stdout
+    assert _digest(ck) == before
+
+
 # ------------------------------------------------------------------ native: what a run resumes
 
 def _native(d: Path, *extra: str) -> int:

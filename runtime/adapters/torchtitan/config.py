@@ -125,6 +125,12 @@ def checkpoint_config(cfg: TrainConfig) -> PlanCheckpointManager.Config:
     resume = os.path.abspath(cfg.resume) if cfg.resume else ""
     if save and save != resume and latest_checkpoint(save) >= 0:
         # torchtitan would silently continue from them (its fault-tolerance rule).
+        if cfg.replace_checkpoints:
+            raise ValueError(
+                f"--save {cfg.save} already holds checkpoints, which --replace-checkpoints "
+                "cannot replace with --framework torchtitan: torchtitan keeps no latest "
+                "pointer (a resume loads the highest step-N), so theirs would stay the ones "
+                "loaded; choose an empty directory, or remove them yourself")
         raise ValueError(f"--save {cfg.save} already holds checkpoints; pass --resume "
                          f"{cfg.save} to continue them, or choose an empty directory")
     initial = ""
