@@ -11,7 +11,8 @@ And one check after every load: torchtitan restores the optimizer's parameter gr
 scheduler's base rates from the checkpoint, so a resume with another lr or weight decay would
 train at the saved ones silently; ``load`` refuses it (``runtime.train.build.
 check_saved_settings``, the native trainer's rule and wording), naming the saved value and the
-flag (``resume_flags``: torchtitan's ``--optimizer.lr``, or dcp-train's ``--lr``).
+flag (``resume_flags``: torchtitan's ``--optimizer.param-groups.0.optimizer-kwargs.lr``,
+or dcp-train's ``--lr``).
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ class PlanCheckpointManager(CheckpointManager):
 
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
-        resume_flags: tuple[str, str] = ("--optimizer.lr", "--optimizer.weight_decay")
-        """The flags a refused resume names for the lr and the weight decay."""
+        resume_flags: tuple[str, str] = ("--optimizer.param-groups.0.optimizer-kwargs.lr",
+                                         "--optimizer.param-groups.0.optimizer-kwargs.weight-decay")
+        """The flags a refused resume names for the lr and the weight decay (torchtitan's, as
+        its ``--help`` spells them; its llama3 configs hold one catch-all group, 0)."""
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
