@@ -16,6 +16,7 @@ every rank and the reference do the same arithmetic and their weights can be com
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -67,16 +68,41 @@ def copy_final_state(result: TrainResult, model: GPT) -> None:
                     if p.grad is not None}
 
 
-def check_saved_optimizer(cfg: TrainConfig, optimizer: torch.optim.Optimizer,
-                          directory: Path) -> None:
-    """After a resume: the optimizer settings restored from the checkpoint must be this run's.
-    ``load_state_dict`` restores the saved ``lr`` and ``weight_decay``, so a different
-    ``--lr`` would be ignored silently; it is refused, naming the saved value."""
-    for key, flag, want in (("lr", "--lr", cfg.lr), ("weight_decay", "--weight-decay",
-                                                     cfg.weight_decay)):
-        saved = {float(g[key]) for g in optimizer.param_groups}
-        if saved != {float(want)}:
-            value = ", ".join(f"{v:g}" for v in sorted(saved))
+SETTING_FLAGS = ("--lr", "--weight-decay")
+"""dcp-train's flags for a parameter group's ``lr`` and ``weight_decay``, as refusals name them."""
+
+
+def optimizer_settings(param_groups: Iterable[dict[str, Any]]) -> list[tuple[float, float]]:
+    """Each parameter group's ``(lr, weight_decay)``; the lr as set, before a torch scheduler
+    scales it (``initial_lr``, which ``LambdaLR`` keeps in the group)."""
+    return [(float(g.get("initial_lr", g["lr"])), float(g["weight_decay"])) for g in param_groups]
+
+
+def check_saved_settings(directory: str | Path, *, built: list[tuple[float, float]],
+                         loaded: list[tuple[float, float]],
+                         flags: tuple[str, str] = SETTING_FLAGS) -> None:
+    """After a resume: every group's settings loaded from ``directory`` must be those this run
+    built (``built``, from ``optimizer_settings`` before the load). An optimizer's
+    ``load_state_dict`` restores the saved ``lr`` and ``weight_decay`` (as do Megatron's and
+    torchtitan's schedulers from their own state), so another ``--lr`` would be ignored
+    silently; it is refused, naming the saved value and this run's (by ``flags``).
+    Groups hold what the engine built, so a group without decay (0.0) is compared with 0.0."""
+    for i, flag in enumerate(flags):
+        differ = [(got[i], ours[i]) for got, ours in zip(loaded, built, strict=True)
+                  if got[i] != ours[i]]
+        if differ:
+            value = ", ".join(f"{v:g}" for v in sorted({got for got, _ in differ}))
+            want = ", ".join(f"{v:g}" for v in sorted({ours for _, ours in differ}))
             raise ValueError(f"{directory}: the checkpoint was saved with {flag} {value}, this "
-                             f"run has {flag} {want:g}; resume with {flag} {value} (the "
+                             f"run has {flag} {want}; resume with {flag} {value} (the "
                              "optimizer state carries it), or start a new run")
+
+
+def check_saved_optimizer(cfg: TrainConfig, optimizer: Any, directory: str | Path, *,
+                          built: list[tuple[float, float]] | None = None) -> None:
+    """``check_saved_settings`` for ``optimizer`` (torch's, or Megatron's: both have
+    ``param_groups``) against ``--lr`` and ``--weight-decay``; ``built`` defaults to every group
+    at the flags' values (the native AdamW's single group)."""
+    loaded = optimizer_settings(optimizer.param_groups)
+    check_saved_settings(directory, loaded=loaded, built=built if built is not None
+                         else [(float(cfg.lr), float(cfg.weight_decay))] * len(loaded))

@@ -136,7 +136,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="checkpoint directory to continue from")
     p.add_argument("--replace-checkpoints", action="store_true",
                    help="let --save replace checkpoints of another run in its directory, or "
-                   "move its latest back to an earlier step (refused without this flag)")
+                   "move its latest back to an earlier step (refused without this flag; "
+                   "with --framework torchtitan refused, as it keeps no latest to move)")
     p.add_argument("--quiet", action="store_true",
                    help="no per-step lines, no progress bar, no text summary")
     p.add_argument("--verbose", action="store_true",

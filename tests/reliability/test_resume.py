@@ -104,6 +104,43 @@ def test_torchtitan_genuine_checkpoint_still_resumes(titan: Path) -> None:
     assert f"resuming from {titan / 'ck' / 'step-2'}" in done.stderr
 
 
+def test_torchtitan_resume_refuses_another_lr_or_weight_decay(titan: Path) -> None:
+    """Saved with --lr 0.001: a resume with --lr 0.5 trained at 0.001 (torchtitan's checkpointer
+    restores the optimizer's groups and the scheduler's base rates). Refused as the native
+    trainer refuses it, before a step, the flag and the saved value named."""
+    step = titan / "ck" / "step-2"
+    done = _train(titan, "--steps", "3", "--resume", str(titan / "ck"), "--lr", "0.5")
+    assert done.returncode == 2, done.stderr
+    assert no_traceback(done.stderr), done.stderr
+    assert f"{step}: the checkpoint was saved with --lr 0.001, this run has --lr 0.5; resume " \
+        "with --lr 0.001 (the optimizer state carries it), or start a new run" in done.stderr
+    assert '"step"' not in done.stdout
+    done = _train(titan, "--steps", "3", "--resume", str(titan / "ck"), "--weight-decay", "0.1")
+    assert done.returncode == 2, done.stderr
+    assert f"{step}: the checkpoint was saved with --weight-decay 0, this run has " \
+        "--weight-decay 0.1" in done.stderr
+
+
+def test_torchtitan_replace_checkpoints_is_refused_not_ignored(titan: Path) -> None:
+    """Another run (no --resume) saving into a directory of torchtitan checkpoints is refused;
+    --replace-checkpoints was ignored silently (the same refusal, the flag not named). It cannot
+    be honoured: torchtitan's resume loads the highest step-N, no latest pointer to move, so the
+    other run's checkpoints would stay the ones loaded. Now refused saying so."""
+    ck = titan / "ck"
+    before = _digest(ck)
+    done = _train(titan, "--steps", "2", "--seed", "1", "--save", str(ck))
+    assert done.returncode == 2, done.stderr
+    assert f"--save {ck} already holds checkpoints; pass --resume" in done.stderr
+    done = _train(titan, "--steps", "2", "--seed", "1", "--save", str(ck),
+                  "--replace-checkpoints")
+    assert done.returncode == 2, done.stderr
+    assert no_traceback(done.stderr), done.stderr
+    assert f"--save {ck} already holds checkpoints, which --replace-checkpoints cannot " \
+        "replace with --framework torchtitan: torchtitan keeps no latest pointer" in done.stderr
+    assert '"step"' not in done.stdout
+    assert _digest(ck) == before
+
+
 # ------------------------------------------------------------------ native: what a run resumes
 
 def _native(d: Path, *extra: str) -> int:

@@ -42,6 +42,7 @@ from runtime.adapters.torchtitan.titan import (
 from runtime.adapters.torchtitan.trainer import PlanMetrics, PlanTrainer
 from runtime.adapters.torchtitan.validate import PlanValidator
 from runtime.data.plan_reader import PlanReader
+from runtime.train.build import SETTING_FLAGS
 from runtime.train.checkpoint import check_save_target
 from runtime.train.config import TrainConfig
 from runtime.train.model import GPTConfig
@@ -124,6 +125,12 @@ def checkpoint_config(cfg: TrainConfig) -> PlanCheckpointManager.Config:
     resume = os.path.abspath(cfg.resume) if cfg.resume else ""
     if save and save != resume and latest_checkpoint(save) >= 0:
         # torchtitan would silently continue from them (its fault-tolerance rule).
+        if cfg.replace_checkpoints:
+            raise ValueError(
+                f"--save {cfg.save} already holds checkpoints, which --replace-checkpoints "
+                "cannot replace with --framework torchtitan: torchtitan keeps no latest "
+                "pointer (a resume loads the highest step-N), so theirs would stay the ones "
+                "loaded; choose an empty directory, or remove them yourself")
         raise ValueError(f"--save {cfg.save} already holds checkpoints; pass --resume "
                          f"{cfg.save} to continue them, or choose an empty directory")
     initial = ""
@@ -134,7 +141,8 @@ def checkpoint_config(cfg: TrainConfig) -> PlanCheckpointManager.Config:
         interval=cfg.save_every or 2**31 - 1, last_save_model_only=False,
         initial_load_path=initial or None, initial_load_model_only=False, keep_latest_k=0,
         # Loading from the folder itself: the step rank 0 chose, not each rank's own scan.
-        load_step=step if resume and (not save or save == resume) else -1)
+        load_step=step if resume and (not save or save == resume) else -1,
+        resume_flags=SETTING_FLAGS)
 
 
 def validator_config(cfg: TrainConfig, *, last_step: int) -> PlanValidator.Config:

@@ -20,7 +20,11 @@ config_registry``) with what a plan needs changed, and nothing else:
   parsed), ``local_batch_size`` 1, FSDP over the whole pool (``data_parallel_shard_degree
   -1``), the ``partial_dtensor`` SPMD backend (the plan's attention takes plain tensors),
   CUDA graphs off (shapes change every microbatch);
-- metrics and validator: the plan trainer's subclasses of torchtitan's, with the same fields.
+- metrics, validator and checkpointer: the plan trainer's subclasses of torchtitan's, with the
+  same fields (``PlanCheckpointManager``: a load runs no code from the checkpoint, and a resume
+  with another lr or weight decay (``--optimizer.param-groups.0.optimizer-kwargs.lr``) than
+  the checkpoint's is refused, naming the saved value, where torchtitan would train at the
+  saved one silently).
 
 Everything else is torchtitan's config and its flags: optimizer, lr scheduler, clipping,
 activation checkpointing, compile, checkpoint, metrics backends, comm. The names cover
@@ -34,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
+from runtime.adapters.torchtitan.checkpointer import PlanCheckpointManager
 from runtime.adapters.torchtitan.data import PlanDataLoader, PlanTokenizer
 from runtime.adapters.torchtitan.model import with_plan_attention
 from runtime.adapters.torchtitan.section import FROM_PLAN, recast
@@ -69,6 +74,7 @@ def with_plan(config: Trainer.Config) -> PlanTrainer.Config:
         tokenizer=PlanTokenizer.Config(),
         metrics=recast(PlanMetrics.Config, config.metrics),
         validator=recast(PlanValidator.Config, config.validator),
+        checkpoint=recast(PlanCheckpointManager.Config, config.checkpoint),
     )
     return PlanTrainer.Config(**values)
 

@@ -53,7 +53,7 @@ from runtime.adapters.megatron.trainer.evaluate import MegatronEvaluator
 from runtime.data.plan_reader import PlanReader
 from runtime.data.tokens import TokenSource
 from runtime.train import checkpoint as native_checkpoint
-from runtime.train.build import checkpoint_meta
+from runtime.train.build import check_saved_optimizer, checkpoint_meta, optimizer_settings
 from runtime.train.config import TrainConfig, should_evaluate, step_range
 from runtime.train.megatron_options import MegatronOptions
 from runtime.train.memcheck import check_adapter_memory
@@ -140,8 +140,12 @@ class MegatronTrainer:
         if cfg.resume:
             # Rank 0 picks the checkpoint (latest may move meanwhile); every rank loads it.
             loaded = native_checkpoint.resolve_agreed(cfg.resume, self.rank)
+            built = optimizer_settings(self.optimizer.param_groups)
             self.start_step = job.load(str(loaded), self.chunks, self.optimizer,
                                        scheduler=self.scheduler, meta=self.meta)
+            # The loaded groups' lr and weight decay (and the scheduler's, which sets them
+            # each step) are the checkpoint's: another --lr would be ignored, so refused.
+            check_saved_optimizer(cfg, self.optimizer, loaded, built=built)
             self.has_steps = check_resume_step(cfg, self.start_step, self.reader.num_steps,
                                                notice=self.rank == 0)
             if self.rank == 0 and self.has_steps:

@@ -206,3 +206,17 @@ def test_another_runs_checkpoints_are_not_replaced(saved: dict[str, Any]) -> Non
                in e for e in errors), errors
     assert sorted(p.name for p in ck.iterdir()) == before
     assert (ck / "latest").read_text() == latest
+
+
+def test_another_lr_or_weight_decay_is_refused(saved: dict[str, Any]) -> None:
+    """Saved at step 2 with --lr 0.003: a resume with --lr 0.5 trained at 0.003 (the optimizer's
+    groups and Megatron's scheduler restore theirs; issue 32). Refused on every rank, naming
+    the saved value, as the native trainer does; so is another --weight-decay."""
+    step = saved["ckpt"] / "step-00000002"
+    errors = _errors(replace(saved["config"], resume=str(saved["ckpt"]), lr=0.5))
+    assert errors == [f"{step}: the checkpoint was saved with --lr 0.003, this run has --lr "
+                      "0.5; resume with --lr 0.003 (the optimizer state carries it), or start "
+                      "a new run"] * 2, errors
+    errors = _errors(replace(saved["config"], resume=str(saved["ckpt"]), weight_decay=0.1))
+    assert all(f"{step}: the checkpoint was saved with --weight-decay 0, this run has "
+               "--weight-decay 0.1" in e for e in errors), errors

@@ -220,6 +220,30 @@ def test_every_llama3_config_of_torchtitan_is_offered(runs: tuple[Path, dict[str
                for layer in config.model_spec.model.layers)
 
 
+def test_a_resume_with_another_lr_is_refused(runs: tuple[Path, dict[str, Any]]) -> None:
+    """torchtitan restores the checkpoint's lr (optimizer groups, scheduler base rates), so
+    another lr on a resume trained at the saved rate silently; now refused by the
+    registry's checkpointer (``PlanCheckpointManager``) on every rank, naming the saved value."""
+    tmp = runs[0]
+    step = tmp / "out" / "ckpt" / "step-2"
+    saved = _parse(_args(tmp)).optimizer.param_groups[0].optimizer_kwargs["lr"]
+    flag = "--optimizer.param-groups.0.optimizer-kwargs.lr"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           "-m", "torchtitan.train",
+           *_args(tmp, "--quiet", "--checkpoint.enable", "--checkpoint.folder", "ckpt3",
+                  "--checkpoint.initial_load_path", str(step),
+                  "--checkpoint.no-initial-load-model-only", flag, "0.5",
+                  evaluate=False)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode != 0
+    want = (f"{step}: the checkpoint was saved with {flag} {saved:g}, this run has {flag} 0.5; "
+            f"resume with {flag} {saved:g}")
+    # Each rank refuses (the same groups); torchrun may stop the others before they print.
+    assert want in _flat(out.stderr), out.stderr[-4000:]
+    assert not (tmp / "out" / "ckpt3").exists() or not any((tmp / "out" / "ckpt3").iterdir())
+
+
 def test_a_run_without_a_plan_is_refused() -> None:
     with pytest.raises(SystemExit, match=r"--plan.path PLAN is required"):
         _parse(REGISTRY).build()

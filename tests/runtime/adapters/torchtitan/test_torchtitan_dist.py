@@ -80,6 +80,11 @@ def _rank_fn(rank: int, world_size: int, store: str, tmp_dir: str) -> dict[str, 
         out["other_plan"] = ""
     except ValueError as e:
         out["other_plan"] = str(e)
+    try:
+        _run(_cfg(tmp, resume=ckpt, lr=0.5), keep_state=False)
+        out["other_lr"] = ""
+    except ValueError as e:
+        out["other_lr"] = str(e)
     return out
 
 
@@ -91,6 +96,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any
     _plan(tmp / "contiguous.arrow", data, "contiguous")
     write_eval_set(tmp, _eval_lengths(), layout="zigzag", name="eval-zigzag")
     results = run_distributed(_rank_fn, 4, str(tmp), timeout=400)
+    results[0]["other_lr_by_rank"] = [r["other_lr"] for r in results]
     return tmp, results[0]
 
 
@@ -193,6 +199,14 @@ def test_resume_with_another_plan_is_refused(world: tuple[Path, dict[str, Any]])
     message = world[1]["other_plan"]
     assert "resume with the same plan" in message
     assert "contiguous.arrow" in message
+
+
+def test_resume_with_another_lr_is_refused_on_every_rank(
+        world: tuple[Path, dict[str, Any]]) -> None:
+    step = world[0] / "ckpt" / "step-2"
+    assert world[1]["other_lr_by_rank"] == [
+        f"{step}: the checkpoint was saved with --lr {LR:g}, this run has --lr 0.5; resume with "
+        f"--lr {LR:g} (the optimizer state carries it), or start a new run"] * 4
 
 
 def test_cli_reference_writes_json_lines(world: tuple[Path, dict[str, Any]],
