@@ -30,7 +30,7 @@ import socket
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from functools import cache
 from importlib import metadata
 from types import ModuleType
@@ -46,6 +46,9 @@ MAX_STEPS_PER_TASK = 32
 store, and the first steps reach the writer early."""
 IN_FLIGHT_PER_SLOT = 2
 """Tasks out per CPU slot: one running, one queued, so a slot never waits for the driver."""
+DRAIN_S = 10.0
+"""How long a local Ray's tasks still out may finish before it shuts down (a task plans at most
+``MAX_STEPS_PER_TASK`` steps: well under a second)."""
 CONNECT_TIMEOUT_S = 5.0
 """A ``--ray-address`` that does not answer a TCP connect in this time is refused (Ray itself
 retries for minutes, printing a log line every few seconds)."""
@@ -282,3 +285,11 @@ def plan_steps_ray(jobs: StepJobs, params: PackingParams, workers: int = 0,
             # cluster (or the caller's Ray) the tasks still out are cancelled.
             for ref, _, _ in pending if not started else ():
                 ray.cancel(ref)
+            if started and pending:
+                # ray.shutdown fails the tasks still out, and a reply arriving for one then
+                # aborts Ray's core worker (RAY_CHECK "Tried to complete task that was not
+                # pending", a stack dump, exit 1; seen once in CI's SIGINT test): let them
+                # finish first, for at most DRAIN_S.
+                with suppress(Exception):
+                    ray.wait([ref for ref, _, _ in pending], num_returns=len(pending),
+                             timeout=DRAIN_S)
