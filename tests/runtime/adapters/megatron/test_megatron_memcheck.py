@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import torch
 
-from runtime.data.plan_reader import PlanReader
 from runtime.train import TrainConfig
 from runtime.train.megatron_options import MegatronOptions
-from runtime.train.memcheck import heaviest, memory_model, shard_state
+from runtime.train.memcheck import memory_model, shard_state
 from tests.dist import run_distributed
 from tests.runtime.adapters.megatron.harness import MODEL, cfg, pool2
+from tests.runtime.memcheck_expect import assert_refused_alike
 
 pytestmark = pytest.mark.dist
 
@@ -49,16 +49,4 @@ def test_every_rank_refuses_before_step_0_and_no_memory_check_trains(tmp_path: P
     # The dense estimate, Adam's moments split over the 2 ranks of the distributed optimizer.
     model = shard_state(memory_model(MODEL, "reference", torch.device("cpu")),
                         weights=1, optimizer=2)
-    found = heaviest(PlanReader(plan), model, range(2))
-    assert found is not None
-    budget = model.resident_bytes  # 0 available, shared by 2 ranks, plus the weights held
-    want = (f"{plan}: step {found.step} microbatch {found.microbatch} (CP group of "
-            f"{found.cp_size} at rank {found.rank_start}, longest sequence {found.longest:,} "
-            f"padded tokens of sample {found.sample}) needs about "
-            f"{found.peak_bytes / 2**30:.2f} GiB per rank, more than "
-            f"this host's available memory shared by its 2 rank(s) (0.00 GiB available) "
-            f"({budget / 2**30:.2f} GiB)")
-    assert ranks[0]["True"] == ranks[1]["True"]
-    assert ranks[0]["True"].startswith(want), ranks[0]["True"]
-    assert ranks[0]["True"].endswith("or pass --no-memory-check")
-    assert ranks[0]["False"] == [0, 1]  # --no-memory-check: both steps ran
+    assert_refused_alike(plan, model, ranks)

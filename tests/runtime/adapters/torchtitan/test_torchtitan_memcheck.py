@@ -18,11 +18,11 @@ from planner.cost import load_cost_model
 from planner.plan import make_plan
 from planner.planfile.io import write_plan
 from planner.sources.lengths import read_lengths
-from runtime.data.plan_reader import PlanReader
 from runtime.train.config import TrainConfig
-from runtime.train.memcheck import heaviest, memory_model, shard_state
+from runtime.train.memcheck import memory_model, shard_state
 from runtime.train.model import GPTConfig
 from tests.dist import run_distributed
+from tests.runtime.memcheck_expect import assert_refused_alike
 from tests.runtime.train.test_train_dist import _write_dataset
 
 pytest.importorskip("torchtitan")
@@ -67,16 +67,4 @@ def test_every_rank_refuses_before_step_0_and_no_memory_check_trains(tmp_path: P
     # The llama3's SwiGLU width (8/3 x 64, a multiple of 16); FSDP shards all over 2 ranks.
     model = shard_state(memory_model(replace(MODEL, ffn_hidden_size=176), "reference",
                                      torch.device("cpu")), weights=2, optimizer=2)
-    found = heaviest(PlanReader(plan), model, range(2))
-    assert found is not None
-    budget = model.resident_bytes  # 0 available, shared by 2 ranks, plus the shard held
-    want = (f"{plan}: step {found.step} microbatch {found.microbatch} (CP group of "
-            f"{found.cp_size} at rank {found.rank_start}, longest sequence {found.longest:,} "
-            f"padded tokens of sample {found.sample}) needs about "
-            f"{found.peak_bytes / 2**30:.2f} GiB per rank, more than "
-            f"this host's available memory shared by its 2 rank(s) (0.00 GiB available) "
-            f"({budget / 2**30:.2f} GiB)")
-    assert ranks[0]["True"] == ranks[1]["True"]
-    assert ranks[0]["True"].startswith(want), ranks[0]["True"]
-    assert ranks[0]["True"].endswith("or pass --no-memory-check")
-    assert ranks[0]["False"] == [0, 1]  # --no-memory-check: both steps ran
+    assert_refused_alike(plan, model, ranks)
