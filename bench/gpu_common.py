@@ -67,6 +67,17 @@ def te_importable() -> bool:
                           capture_output=True).returncode == 0
 
 
+def imports(module: str) -> bool:
+    """Whether ``module`` imports in a fresh interpreter here; if not, print why (the last 30
+    lines), before minutes of runs that would all fail the same way."""
+    probe = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT,
+                           capture_output=True, text=True)
+    if probe.returncode:
+        print(f"{module} does not import:\n"
+              + "\n".join((probe.stdout + probe.stderr).splitlines()[-30:]), flush=True)
+    return probe.returncode == 0
+
+
 def launch(argv: list[str], nproc: int, log: Path, stdout: Path, timeout: float,
            module: str = "runtime.train", last: tuple[str, ...] = ()) -> int:
     """``python -m MODULE ARGV --log-jsonl LOG --quiet LAST`` under ``torchrun --nproc-per-node

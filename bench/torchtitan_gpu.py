@@ -56,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 from bench.gpu_common import (  # noqa: E402
     add_prepare_args,
     add_run_args,
+    imports,
     launch,
     median,
     out_dir,
@@ -213,11 +214,7 @@ def run(args: argparse.Namespace) -> int:
     src = Path(args.dir)
     out = out_dir(args, "out/torchtitan_gpu_logs")
     _ensure_torchtitan(src)
-    probe = subprocess.run([sys.executable, "-c", "import runtime.adapters.torchtitan.launch"],
-                           cwd=ROOT, capture_output=True, text=True)
-    if probe.returncode:  # say why here, before minutes of runs that would all fail the same way
-        print("runtime.adapters.torchtitan does not import:\n"
-              + "\n".join((probe.stdout + probe.stderr).splitlines()[-30:]), flush=True)
+    if not imports("runtime.adapters.torchtitan.launch"):
         return 1
     _record_environment(out)
     return run_parity(src, out, args) if args.gpus == 1 else run_compare(src, out, args)

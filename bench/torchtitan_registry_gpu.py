@@ -56,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.gpu_common import (  # noqa: E402
     add_run_args,
+    imports,
     launch,
     median,
     out_dir,
@@ -126,11 +127,7 @@ def run(args: argparse.Namespace) -> int:
     src = Path(args.dir)
     out = out_dir(args, "out/torchtitan_registry_logs")
     _ensure_torchtitan(src)
-    probe = subprocess.run([sys.executable, "-c", "import bench.torchtitan_registry_config"],
-                           cwd=ROOT, capture_output=True, text=True)
-    if probe.returncode:  # say why here, before minutes of runs that would all fail the same way
-        print("bench.torchtitan_registry_config does not import:\n"
-              + "\n".join((probe.stdout + probe.stderr).splitlines()[-30:]), flush=True)
+    if not imports("bench.torchtitan_registry_config"):
         return 1
     _record_environment(out)
     entry = _entry(args.entry, out)
