@@ -304,6 +304,17 @@ def load(directory: str | os.PathLike[str], *, chunks: list[nn.Module], optimize
                           directory=path)
 
 
+def saved_settings(path: str | os.PathLike[str]) -> list[tuple[float, float]] | None:
+    """The optimizer groups' ``(lr, weight_decay)`` a checkpoint was saved with (its run file's
+    ``meta.settings``), read before any load; None for a checkpoint saved before they were
+    recorded, or an unreadable run file (``load`` then names what is wrong)."""
+    try:
+        got = json.loads((Path(path) / RUN_FILE).read_text())["meta"]["settings"]
+        return [(float(lr), float(wd)) for lr, wd in got]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _check_run(path: Path, expect_meta: dict[str, Any], options: Any) -> dict[str, Any]:
     run_path = path / RUN_FILE
     if not run_path.is_file():

@@ -53,7 +53,12 @@ from runtime.adapters.megatron.trainer.evaluate import MegatronEvaluator
 from runtime.data.plan_reader import PlanReader
 from runtime.data.tokens import TokenSource
 from runtime.train import checkpoint as native_checkpoint
-from runtime.train.build import check_saved_optimizer, checkpoint_meta, optimizer_settings
+from runtime.train.build import (
+    check_saved_optimizer,
+    check_saved_settings,
+    checkpoint_meta,
+    optimizer_settings,
+)
 from runtime.train.config import TrainConfig, should_evaluate, step_range
 from runtime.train.megatron_options import MegatronOptions
 from runtime.train.memcheck import check_adapter_memory
@@ -136,11 +141,18 @@ class MegatronTrainer:
         if options.model_meta():  # MoE / MTP: part of the model's shape
             self.meta["model"] = {**self.meta["model"], **options.model_meta()}
         self.has_steps = True
+        # The groups' (lr, weight decay) as this run built them: saved with each checkpoint.
+        self.settings = optimizer_settings(self.optimizer.param_groups)
         loaded = None
         if cfg.resume:
             # Rank 0 picks the checkpoint (latest may move meanwhile); every rank loads it.
             loaded = native_checkpoint.resolve_agreed(cfg.resume, self.rank)
-            built = optimizer_settings(self.optimizer.param_groups)
+            built = self.settings
+            saved = checkpoint.saved_settings(loaded)
+            if saved is not None and len(saved) == len(built):
+                # Before the load: megatron-core 0.19's distributed optimizer matches groups by
+                # their lr and fails on another --lr with its own words.
+                check_saved_settings(loaded, built=built, loaded=saved)
             self.start_step = job.load(str(loaded), self.chunks, self.optimizer,
                                        scheduler=self.scheduler, meta=self.meta)
             # The loaded groups' lr and weight decay (and the scheduler's, which sets them
@@ -308,7 +320,8 @@ class MegatronTrainer:
                 if cfg.save and (step == steps[-1]
                                  or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
                     self.job.save(cfg.save, self.chunks, self.optimizer, next_step=step + 1,
-                                  scheduler=self.scheduler, meta=self.meta)
+                                  scheduler=self.scheduler,
+                                  meta={**self.meta, "settings": self.settings})
                 if self.evaluator is not None and should_evaluate(self.cfg, step, steps[-1]):
                     ev = self.evaluate(step + 1)
                     result.evals.append(ev)
