@@ -26,15 +26,19 @@ from tests.runtime.train.test_train_dist import _write_dataset
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def test_a_long_document_is_refused_before_the_first_step(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # 300,000 tokens on one CPU rank: its L x L scores alone would be terabytes.
-    lengths = np.array([40, 300_000, 25, 60])
-    data = _write_dataset(tmp_path / "data.arrow", lengths)
+def _long_document_plan(tmp_path: Path) -> tuple[Path, Path]:
+    """(dataset, plan): 300,000 tokens on one CPU rank, whose L x L scores alone would be
+    terabytes, among three short documents."""
+    data = _write_dataset(tmp_path / "data.arrow", np.array([40, 300_000, 25, 60]))
     config = PlannerConfig(parallel=ParallelConfig(dp=1, cp=1),
                            capacity_tokens_per_rank=1 << 19, global_batch_size=4)
     plan = make_plan(read_lengths(data), config, load_cost_model("default"))
-    path = write_plan(tmp_path / "plan.arrow", plan.header, plan.record_batches())
+    return data, write_plan(tmp_path / "plan.arrow", plan.header, plan.record_batches())
+
+
+def test_a_long_document_is_refused_before_the_first_step(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data, path = _long_document_plan(tmp_path)
     cols = PlanReader(path).columns(0)
     mb = int(cols["microbatch"][np.flatnonzero(cols["sample_index"] == 1)[0]])
     log = tmp_path / "train.jsonl"
@@ -95,12 +99,7 @@ def test_the_adapters_entry_skips_what_the_estimate_does_not_model(
     from runtime.train.config import TrainConfig
     from runtime.train.memcheck import check_adapter_memory
 
-    lengths = np.array([40, 300_000, 25, 60])
-    data = _write_dataset(tmp_path / "data.arrow", lengths)
-    config = PlannerConfig(parallel=ParallelConfig(dp=1, cp=1),
-                           capacity_tokens_per_rank=1 << 19, global_batch_size=4)
-    plan = make_plan(read_lengths(data), config, load_cost_model("default"))
-    path = write_plan(tmp_path / "plan.arrow", plan.header, plan.record_batches())
+    data, path = _long_document_plan(tmp_path)
     cfg = TrainConfig(plan=str(path), dataset=str(data))
     model, cpu = GPTConfig(vocab_size=64, hidden_size=32), torch.device("cpu")
     with PlanReader(path) as reader:
