@@ -33,6 +33,7 @@ from planner.planfile.io import write_plan_stream
 from planner.solver.greedy import PackingParams
 from planner.solver.jobs import StepJobs
 from planner.solver.parallel import plan_steps
+from planner.solver import ray_engine
 from planner.solver.ray_engine import IN_FLIGHT_PER_SLOT, _plan_task, _result, environment
 from planner.sources.lengths import read_lengths
 
@@ -91,6 +92,40 @@ def test_many_step_ranges_come_back_in_step_order(tmp_path: Path) -> None:
     assert ranges == sorted(ranges)
     assert ranges[-1] == 125
     assert len(ranges) > 2 * IN_FLIGHT_PER_SLOT
+
+
+def test_leaving_early_lets_the_tasks_out_finish(local_ray: None,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C or a write error closes the step generator with tasks still out. ray.cancel on a
+    task whose reply was on its way, or ray.shutdown before it came, aborted Ray's core worker
+    (RAY_CHECK "Tried to complete task that was not pending", exit 1: CI's SIGINT test, ~1 in
+    12). Now none is cancelled and all of them have answered when the generator is closed."""
+    cfg = PlannerConfig(parallel=ParallelConfig(dp=2, cp=1), capacity_tokens_per_rank=1024,
+                        global_batch_size=2)
+    params = PackingParams.from_config(cfg, load_cost_model())
+    n = 4 * 2 * IN_FLIGHT_PER_SLOT  # more steps than tasks out: some are left when it stops
+    tokens = np.tile(np.array([300, 500], dtype=np.int64), n)
+    jobs = StepJobs(sample=np.arange(2 * n, dtype=np.int64), offset=np.zeros(2 * n, np.int64),
+                    tokens=tokens, bounds=np.arange(0, 2 * n + 1, 2, dtype=np.int64))
+    cancelled: list[object] = []
+    monkeypatch.setattr(ray, "cancel", lambda ref, **kw: cancelled.append(ref))
+    steps = ray_engine.plan_steps_ray(jobs, params, 2)
+    monkeypatch.setattr(ray_engine, "MAX_STEPS_PER_TASK", 1)  # one step a task: many tasks
+    next(steps)
+    waited: list[list[object]] = []
+    wait = ray.wait
+
+    def spy(refs: list[object], **kw: object) -> object:
+        waited.append(list(refs))
+        return wait(refs, **kw)
+
+    monkeypatch.setattr(ray, "wait", spy)
+    steps.close()
+    assert cancelled == []
+    assert waited and len(waited[-1]) > 1, "no tasks were out when the generator closed"
+    ready, not_ready = wait(waited[-1], num_returns=len(waited[-1]), timeout=0)
+    assert not_ready == []
+    assert all(len(part) == 1 for part in ray.get(ready))  # each answered with its step
 
 
 def test_ray_address_plans_on_a_running_cluster(tmp_path: Path, local_ray: None) -> None:
