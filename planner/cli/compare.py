@@ -32,6 +32,7 @@ from planner.cli.args import (
     seed_int,
 )
 from planner.cli.flags import FLAGS
+from planner.cli.guard import add_megatron_unit_argument
 from planner.cli.textargs import add_tokenizer_arguments, encoder_from_args
 from planner.config import EFFORTS, LONG_SEQUENCE_POLICIES
 
@@ -62,6 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--field", help="record field or column to read (as for dcp-plan)")
     p.add_argument("--skip-bad-records", action="store_true",
                    help="skip malformed records (reported) instead of stopping")
+    add_megatron_unit_argument(p)
     p.add_argument("--pools", type=_positive_list, required=True, metavar="LIST",
                    help="pool sizes N = dp x cp to compare, e.g. 8,16,64")
     p.add_argument("--cp", type=_positive_list, default=(1,), metavar="LIST",
@@ -124,7 +126,7 @@ def cmd_compare(argv: list[str]) -> int:
     if args.summary_json:
         check_output(args.summary_json, kind="summary", inputs=inputs, flag="--summary-json")
     table = read_lengths(args.dataset, skip_bad_records=args.skip_bad_records, field=args.field,
-                         encoder=encoder)
+                         encoder=encoder, megatron_unit=args.megatron_unit)
     setups = expand(args.pools, args.capacities)
     base = PlannerConfig(
         parallel=ParallelConfig(dp=1, cp=1, tp=args.tp, pp=args.pp,
@@ -179,7 +181,8 @@ def _document(table: Any, args: argparse.Namespace, cost_name: str, results: lis
              else f"{args.global_batch_tokens:,} tokens")
     return {
         "dataset": {"path": str(table.path), "num_samples": int(len(table.lengths)),
-                    "num_tokens": int(table.lengths[table.lengths > 0].sum())},
+                    "num_tokens": int(table.lengths[table.lengths > 0].sum()),
+                    **({"megatron_unit": table.megatron_unit} if table.megatron_unit else {})},
         "global_batch": batch, "cost_model": cost_name, "effort": args.effort,
         "num_steps": first.num_steps, "sampled_steps": first.sampled_steps,
         "static_cp": list(args.cp),
@@ -212,7 +215,9 @@ def _text(doc: dict[str, Any]) -> str:
     d = doc["dataset"]
     rows = doc["setups"]
     cps = [str(c) for c in doc["static_cp"]]
-    lines = [f"dataset   {d['path']}: {d['num_samples']:,} samples, {d['num_tokens']:,} tokens; "
+    unit = f" ({d['megatron_unit']}s of Megatron files)" if d.get("megatron_unit") else ""
+    lines = [f"dataset   {d['path']}: {d['num_samples']:,} samples{unit}, "
+             f"{d['num_tokens']:,} tokens; "
              f"global batch {doc['global_batch']}; cost model {doc['cost_model']}"]
     if doc["sampled"]:
         lines.append(f"sampled   {doc['sampled_steps']} of {doc['num_steps']:,} steps per setup "

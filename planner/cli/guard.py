@@ -132,11 +132,16 @@ def add_dataset_arguments(p: argparse.ArgumentParser, *, required: bool) -> None
                    "plan was made with, its header's dataset.field); give it only for a "
                    "dataset whose field was renamed since planning: it is read, with a notice")
     if required:  # validate reads the unit the plan recorded (dataset.megatron_unit)
-        p.add_argument("--megatron-unit", choices=("document", "sequence"), default="document",
-                       help="what a sample of a Megatron .bin/.idx is: a document (its "
-                       "sequences' tokens, concatenated: data preprocessed with "
-                       "--split-sentences has a sequence per sentence) or one sequence (what "
-                       "Megatron-core's GPTDataset samples); the plan records it")
+        add_megatron_unit_argument(p)
+
+
+def add_megatron_unit_argument(p: argparse.ArgumentParser) -> None:
+    """``--megatron-unit`` (dcp-plan, dcp-plan compare): what a sample of a Megatron file is."""
+    p.add_argument("--megatron-unit", choices=("document", "sequence"), default="document",
+                   help="what a sample of a Megatron .bin/.idx is: a document (its "
+                   "sequences' tokens, concatenated: data preprocessed with "
+                   "--split-sentences has a sequence per sentence) or one sequence (what "
+                   "Megatron-core's GPTDataset samples); the plan records it")
 
 
 def print_notice(message: str) -> None:

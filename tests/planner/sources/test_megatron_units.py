@@ -83,6 +83,20 @@ def test_the_plan_records_the_unit_and_the_summary_says_it(
     assert summary["num_samples"] == 50
 
 
+def test_compare_plans_the_unit_it_is_given(fifty: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """``dcp-plan compare`` reads a Megatron dataset as ``dcp-plan`` does: documents by default,
+    sequences with ``--megatron-unit sequence``, and says which."""
+    argv = ["compare", f"{fifty}.idx", "--pools", "4", "--max-tokens-per-rank", "64",
+            "--global-batch-size", "8", "--sample-steps", "0"]
+    for unit, samples in (("document", 50), ("sequence", 150)):
+        assert plan_main([*argv, "--megatron-unit", unit, "--json"]) == 0
+        d = json.loads(capsys.readouterr().out)["dataset"]
+        assert (d["num_samples"], d["megatron_unit"]) == (samples, unit)
+    assert plan_main(argv) == 0
+    assert ": 50 samples (documents of Megatron files), " in capsys.readouterr().out
+
+
 def test_a_plan_without_megatron_files_keeps_its_header(tmp_path: Path) -> None:
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"input_ids": list(range(n))}) + "\n" for n in (5, 9, 30)))
