@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -117,6 +118,14 @@ def gpt_shape(config: Llama3Model.Config) -> GPTConfig:
     return GPTConfig(vocab_size=config.vocab_size, num_layers=len(config.layers),
                      hidden_size=attention.n_heads * (config.dim // attention.n_heads),
                      num_heads=attention.n_heads, num_query_groups=n_kv)
+
+
+def memory_shape(config: Llama3Model.Config) -> GPTConfig:
+    """The GPT shape ``planner.memory`` estimates for a llama3 config: ``gpt_shape`` with its
+    SwiGLU width (the first layer's ``w1``) and its embedding tying."""
+    shape = gpt_shape(config)
+    return replace(shape, ffn_hidden_size=int(config.layers[0].feed_forward.w1.out_features),
+                   tie_embeddings=bool(config.enable_weight_tying))
 
 
 def build_llama3(config: Llama3Model.Config, *, seed: int) -> nn.Module:

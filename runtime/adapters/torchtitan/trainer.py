@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from runtime.adapters.torchtitan.attention import PlanMasks
 from runtime.adapters.torchtitan.checkpointer import PlanCheckpointManager
 from runtime.adapters.torchtitan.data import MICROBATCH_KEY, PlanDataLoader, PlanTokenizer
-from runtime.adapters.torchtitan.model import build_llama3, gpt_shape
+from runtime.adapters.torchtitan.model import build_llama3, gpt_shape, memory_shape
 from runtime.adapters.torchtitan.section import FROM_PLAN, PlanSection, apply_plan
 from runtime.adapters.torchtitan.titan import (
     BaseCheckpointManager,
@@ -56,6 +56,7 @@ from runtime.dist.groups import set_group_timeout
 from runtime.train.backends import ATTENTIONS, AttentionBackend, make_backend
 from runtime.train.config import TrainConfig
 from runtime.train.guards import nonfinite_ok
+from runtime.train.memcheck import check_adapter_memory
 from runtime.train.runlog import EvalLog, StepLog, StepLogger
 
 
@@ -155,6 +156,10 @@ class PlanTrainer(Trainer):
         skip_nonfinite_steps: bool = False
         """Skip the optimizer update of a step whose loss or gradients are not finite (logged
         ``"skipped": true``) instead of stopping with an error naming the step."""
+        memory_check: bool = True
+        """Registry route (``--plan.path``): before the first step, refuse a plan whose
+        heaviest microbatch would not fit a rank (``runtime.train.memcheck``, as ``dcp-train``
+        does); ``--no-memory-check`` skips it."""
         verbose: bool = False
         """Show torchtitan's known warnings (``titan.KNOWN_WARNINGS``: each is listed with why
         it does not apply), silenced by default; unknown ones always show."""
@@ -211,6 +216,12 @@ class PlanTrainer(Trainer):
                         progress=config.progress),
             enabled=dist.get_rank() == 0)
         self.logs: list[StepLog] = []
+        if config.plan.path:
+            try:
+                self._check_memory()
+            except BaseException:
+                self.close()  # torchtitan's main has no trainer to close yet
+                raise
         if config.validator.enable:
             if not isinstance(self.validator, PlanValidator):
                 raise ValueError("validator: use PlanValidator.Config (an eval plan)")
@@ -224,6 +235,19 @@ class PlanTrainer(Trainer):
             # Collective: every rank builds the same evaluation pass here.
             self.validator.attach(self.dataloader, backend_for, self.device,
                                   self.step_logger.write)
+
+    def _check_memory(self) -> None:
+        """``dcp-train``'s check before the first step (``launch.check_titan_memory``) for the
+        registry route, on every rank: the model's llama3 shape, FSDP over the pool, every
+        step up to ``training.steps`` (a resume is loaded later, inside ``train``)."""
+        reader = self.dataloader.reader
+        loader = self.dataloader.config
+        cfg = TrainConfig(plan=loader.plan, dataset=loader.dataset,
+                          attention=self.config.attention, memory_check=self.config.memory_check)
+        world = dist.get_world_size()
+        check_adapter_memory(cfg, reader, memory_shape(self.model_config), self.device,
+                             range(min(self.config.training.steps, reader.num_steps)),
+                             weight_shards=world, optimizer_shards=world)
 
     def load_seeded_weights(self, seed: int) -> None:
         """Every rank copies its shard of one full CPU model initialised from ``seed``."""

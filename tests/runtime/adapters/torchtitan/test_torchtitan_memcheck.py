@@ -1,8 +1,9 @@
-"""``dcp-train --framework torchtitan`` checks the heaviest microbatch against the host before
-its first step, as the native engine does (issue 33, item 5): on 2 real gloo ranks whose host
-budget is lowered to nothing (each rank's share is then the FSDP shard of the weights it holds),
-every rank refuses with the same message naming the step, the microbatch and both figures, and
-no step runs; with ``--no-memory-check`` the same run trains."""
+"""``dcp-train --framework torchtitan`` and torchtitan's own entry point (the registry's configs)
+check the heaviest microbatch against the host before the first step, as the native engine does
+(issue 33, item 5): on 2 real gloo ranks whose host budget is lowered to nothing (each rank's
+share is then the FSDP shard of the weights it holds), every rank refuses with the same message
+naming the step, the microbatch and both figures, and no step runs; with ``--no-memory-check``
+the same run trains."""
 
 from __future__ import annotations
 
@@ -67,4 +68,54 @@ def test_every_rank_refuses_before_step_0_and_no_memory_check_trains(tmp_path: P
     # The llama3's SwiGLU width (8/3 x 64, a multiple of 16); FSDP shards all over 2 ranks.
     model = shard_state(memory_model(replace(MODEL, ffn_hidden_size=176), "reference",
                                      torch.device("cpu")), weights=2, optimizer=2)
+    assert_refused_alike(plan, model, ranks)
+
+
+def _registry_rank(rank: int, world_size: int, store: str, args: list[str]) -> dict[str, Any]:
+    del rank, world_size, store
+    from torchtitan.config import ConfigManager
+
+    import runtime.calibrate.memory as host
+
+    host.host_available_bytes = lambda: 0
+    out: dict[str, Any] = {}
+    for check in (True, False):
+        config = ConfigManager().parse_args([*args, *([] if check else ["--no-memory-check"])])
+        try:
+            trainer = config.build()
+        except ValueError as e:
+            out[str(check)] = str(e)
+            continue
+        try:
+            trainer.train()
+            out[str(check)] = [log.step for log in trainer.logs]
+        finally:
+            trainer.close()
+    return out
+
+
+def test_the_registry_route_refuses_alike_before_step_0(tmp_path: Path) -> None:
+    """``torchrun -m torchtitan.train --module runtime.adapters.torchtitan.registry``: the
+    trainer that torchtitan's ``main`` builds (``config.build()``) refuses as ``dcp-train`` does,
+    for torchtitan's own llama3_debugmodel shape."""
+    from torchtitan.config import ConfigManager
+
+    from runtime.adapters.torchtitan.model import memory_shape
+
+    rng = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, 60, (16,), generator=rng).numpy()
+    data = _write_dataset(tmp_path / "data.arrow", lengths)
+    made = make_plan(read_lengths(data),
+                     PlannerConfig(parallel=ParallelConfig(dp=1, cp=2),
+                                   capacity_tokens_per_rank=32, global_batch_size=8, seed=3),
+                     load_cost_model("default"))
+    plan = write_plan(tmp_path / "plan.arrow", made.header, made.record_batches())
+    args = ["--module", "runtime.adapters.torchtitan.registry", "--config", "llama3_debugmodel",
+            "--plan.path", str(plan), "--plan.dataset", str(data), "--training.steps", "2",
+            "--seed", "7", "--quiet", "--dump_folder", str(tmp_path / "out")]
+    ranks = run_distributed(_registry_rank, 2, args, timeout=300)
+    shape = memory_shape(ConfigManager().parse_args(args).model_spec.model)
+    assert (shape.ffn_hidden_size, shape.num_layers) == (768, 6)  # torchtitan's debug model
+    model = shard_state(memory_model(shape, "reference", torch.device("cpu")), weights=2,
+                        optimizer=2)
     assert_refused_alike(plan, model, ranks)
