@@ -4,6 +4,7 @@ The first word picks the subcommand (``validate``, ``show``, ``plan``, ``compare
 ``tokenize``);
 anything else is the default, ``plan``. User errors (``ValueError``, ``OSError``,
 ``EngineError``) print one line naming the flag, file or sample and exit 2, never a traceback;
+memory that ran out (``ulimit -v``, a full host: ``oom``) is one line too, exit 2;
 SIGTERM, SIGHUP, SIGQUIT, SIGUSR1 (``guard.ENDING_SIGNALS``) and Ctrl-C exit 128 + the signal
 after the writer's cleanup; a reader that leaves a
 pipe (``dcp-plan show ... | head``) is not an error.
@@ -11,6 +12,8 @@ pipe (``dcp-plan show ... | head``) is not an error.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 import signal
 import sys
@@ -19,27 +22,30 @@ from typing import Any
 from planner.cli.args import error_text, flag_message
 from planner.cli.flags import FLAGS
 from planner.cli.guard import Terminated, interrupting_signal, signals_raise, terminate
-from planner.cli.plan import cmd_plan
-from planner.cli.show import cmd_show
-from planner.cli.validate import cmd_validate
+from planner.cli.oom import PLAN_HINT, out_of_memory
 from planner.config import EngineError
 
 PROG = "dcp-plan"
 
 
+COMMANDS = {"validate": "planner.cli.validate:cmd_validate", "show": "planner.cli.show:cmd_show",
+            "plan": "planner.cli.plan:cmd_plan", "compare": "planner.cli.compare:cmd_compare",
+            "report": "planner.cli.report:cmd_report",
+            "tokenize": "planner.cli.pretokenize:cmd_tokenize"}
+"""Each subcommand's function, imported when it runs (inside ``_run``: an import that runs out
+of memory is reported as such)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from planner.cli.compare import cmd_compare
-    from planner.cli.pretokenize import cmd_tokenize
-    from planner.cli.report import cmd_report
-
-    commands = {"validate": cmd_validate, "show": cmd_show, "plan": cmd_plan,
-                "compare": cmd_compare, "report": cmd_report, "tokenize": cmd_tokenize}
-    cmd = cmd_plan
-    if argv and argv[0] in commands:
-        cmd = commands[argv.pop(0)]
+    name = argv.pop(0) if argv and argv[0] in COMMANDS else "plan"
     with signals_raise(terminate):
-        return _run(cmd, argv)
+        return _run(functools.partial(_call, name), argv)
+
+
+def _call(name: str, argv: list[str]) -> int:
+    module, func = COMMANDS[name].split(":")
+    return int(getattr(importlib.import_module(module), func)(argv))
 
 
 EXTRAS = {"pandas": "notebook", "polars": "notebook", "matplotlib": "notebook",
@@ -66,8 +72,9 @@ def missing_extra(e: ImportError) -> str | None:
 def _run(cmd: Any, argv: list[str]) -> int:
     try:
         return int(cmd(argv))
-    except ImportError as e:
-        message = missing_extra(e)
+    except (ImportError, MemoryError) as e:
+        message = out_of_memory(e, PLAN_HINT) or (
+            missing_extra(e) if isinstance(e, ImportError) else None)
         if message is None:
             raise
         print(f"{PROG}: error: {message}", file=sys.stderr)
@@ -76,7 +83,8 @@ def _run(cmd: Any, argv: list[str]) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except (ValueError, OSError, EngineError) as e:
-        print(f"{PROG}: error: {flag_message(error_text(e), FLAGS)}", file=sys.stderr)
+        message = out_of_memory(e, PLAN_HINT) or flag_message(error_text(e), FLAGS)
+        print(f"{PROG}: error: {message}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, Terminated, SystemError) as e:
         # The writer's cleanup ran on the way out (temporary files removed, nothing renamed).
@@ -87,6 +95,12 @@ def _run(cmd: Any, argv: list[str]) -> int:
         print(f"{PROG}: interrupted by {signal.Signals(signum).name}; no plan written",
               file=sys.stderr)
         return 128 + signum
+    except Exception as e:  # pyarrow's own errors, a thread that could not start, ...
+        message = out_of_memory(e, PLAN_HINT)
+        if message is None:
+            raise
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        return 2
 
 
 def entry() -> None:

@@ -38,9 +38,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from planner.cli.args import exit_on_version
 
     exit_on_version("dcp-train", None if argv is None else list(argv))
-    from runtime.train.cli import main as cli_main
+    from planner.cli.oom import reporting
 
-    return cli_main(argv)
+    def run() -> int:
+        from runtime.train.cli import main as cli_main
+
+        return cli_main(argv)
+
+    return reporting("dcp-train", run)
 
 
 __getattr__ = lazy_exports(__name__, _EXPORTS)

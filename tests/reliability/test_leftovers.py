@@ -115,14 +115,14 @@ def test_a_signal_wrapped_in_a_system_error_is_still_an_interruption(
     def interrupted(argv: list[str]) -> int:
         raise _wrapped(guard.Terminated(signal.SIGTERM))
 
-    monkeypatch.setattr(dispatch, "cmd_plan", interrupted)
+    monkeypatch.setattr("planner.cli.plan.cmd_plan", interrupted)  # what dispatch runs
     assert dispatch.main(["data.jsonl"]) == 128 + signal.SIGTERM
     assert "dcp-plan: interrupted by SIGTERM; no plan written" in capsys.readouterr().err
 
     def broken(argv: list[str]) -> int:
         raise _wrapped(ValueError("a real SystemError"))
 
-    monkeypatch.setattr(dispatch, "cmd_plan", broken)
+    monkeypatch.setattr("planner.cli.plan.cmd_plan", broken)
     with pytest.raises(SystemError):  # not a signal: not hidden
         dispatch.main(["data.jsonl"])
 

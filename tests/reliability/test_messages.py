@@ -243,3 +243,51 @@ def test_a_base_install_runs_the_planner_or_names_the_extra(tmp_path: Path) -> N
         assert no_traceback(done.stderr), done.stderr
         assert "needs matplotlib, which is not installed: pip install " \
             "'dcp-planner[notebook]'" in done.stderr
+
+
+@pytest.mark.parametrize("program", ["dcp-plan", "dcp-train"])
+def test_memory_that_runs_out_is_one_line(tmp_path: Path, program: str) -> None:
+    """``ulimit -v`` 400-700 MB: tracebacks from pyarrow, OR-Tools, pandas or llvmlite (item 5).
+    Now one line: out of memory, which library (or planner function) asked, the limit; exit 2
+    and no file left. The limits put the failure at different imports (the same for any run of
+    the program: they come before its work). Below some limit the C runtime itself gives up
+    before Python can say anything (glibc's `cannot allocate memory for thread-local data:
+    ABORT`, OpenBLAS's `Memory allocation still failed`): such a death is let pass, a Python
+    traceback never."""
+    import resource
+    import subprocess
+    import sys
+
+    from tests.reliability.helpers import ROOT, no_traceback
+
+    data = write_token_jsonl(tmp_path / "d.jsonl")
+    out = tmp_path / "out"
+    out.mkdir()
+    plan = ["planner.cli", str(data), "-o", str(out / "p.arrow"), "--dp", "1", "--cp", "1",
+            "--max-tokens-per-rank", "256", "--global-batch-size", "6", "--quiet"]
+    train = ["runtime.train", "--plan", str(out / "none.arrow"), "--dataset", str(data)]
+    said = []
+    for mib in (400, 500, 600, 700) if program == "dcp-plan" else (600, 680, 800, 900):
+        def limit(mib: int = mib) -> None:
+            resource.setrlimit(resource.RLIMIT_AS, (mib * 2**20, mib * 2**20))
+
+        done = subprocess.run(
+            [sys.executable, "-m", *(plan if program == "dcp-plan" else train)],
+            capture_output=True, text=True, timeout=300, cwd=ROOT, preexec_fn=limit,
+            env={**os.environ, "DCP_PLANNER_JIT": "never"})
+        lines = done.stderr.strip().splitlines()
+        if done.returncode == 0 or (lines and "no such plan file" in lines[-1]):
+            (out / "p.arrow").unlink(missing_ok=True)  # this host's libraries fit the limit
+            continue
+        assert no_traceback(done.stderr), done.stderr
+        if not any(x.startswith(f"{program}:") for x in lines):
+            continue  # died in C, before Python had control (the docstring)
+        assert done.returncode == 2, done.stderr
+        # pyarrow's allocator may say a word of its own from C (`<jemalloc>: arena 0 ...`).
+        assert all(x.startswith("<jemalloc>:") for x in lines[:-1]), done.stderr
+        line = lines[-1]
+        assert line.startswith(f"{program}: error: out of memory "), line
+        assert f"(this process may map {mib / 1024:.2f} GiB: ulimit -v {mib * 1024})" in line
+        said.append(line)
+        assert list(out.iterdir()) == []
+    assert said, "no limit ran out of memory"
