@@ -4,7 +4,11 @@ It owns what the launcher's hooks hand to Megatron-LM: per training step the pla
 iterator (one per model chunk under virtual pipelining) and its microbatch count, per
 evaluation iteration the eval plan's, and the ``forward_step_func`` that binds each
 microbatch's CP group (``runtime.adapters.megatron.binding.forward``: RoPE and core attention)
-and returns the per-token loss. It reuses the adapter's binding as it is: ``PlanBatches``
+and returns the per-token loss. For a MoE model the same forward step binds each microbatch's
+CP and TP x CP groups and rows into every router, and a ``RouterSteps`` (``binding.routers``)
+keeps each training step's load-balancing term and tokens per expert, as in ``PlanJob``; with
+``global_aux_loss`` the launcher runs the step's forward-only statistics pass first
+(``counting_step``). It reuses the adapter's binding as it is: ``PlanBatches``
 turns plan rows into Megatron batches, ``groups_from_parallel_state`` wraps Megatron's own
 hybrid DP x CP groups (the launcher asks ``initialize_model_parallel`` for them), so no group
 is created twice.
@@ -31,7 +35,8 @@ from planner.sources.dataset import plan_items
 from runtime.adapters.megatron.binding.batch import Batch, PlanBatches
 from runtime.adapters.megatron.binding.forward import ForwardOptions, forward_step
 from runtime.adapters.megatron.binding.groups import MegatronGroups, groups_from_parallel_state
-from runtime.adapters.megatron.binding.step_loss import reduce_reports
+from runtime.adapters.megatron.binding.routers import RouterSteps
+from runtime.adapters.megatron.binding.step_loss import StepLoss, reduce_reports
 from runtime.adapters.megatron.compat import mcore
 from runtime.data.evaluation import EvalSchedule, check_eval_layout
 from runtime.data.plan_reader import PlanReader
@@ -69,6 +74,8 @@ class PlanSession:
         self.eval_batches: PlanBatches | None = None
         self.eval_schedule: EvalSchedule | None = None
         self.options: ForwardOptions | None = None
+        self.routers: RouterSteps | None = None
+        """A MoE model's per-step routing bookkeeping (None for a dense model)."""
         self.device = torch.device("cpu")
         self.count_flops = False
         """True while a training step runs (evaluation adds nothing to the FLOPs figure)."""
@@ -113,7 +120,14 @@ class PlanSession:
         self.device = device
         self.batches = PlanBatches(self.reader, self.source, self.groups, num_chunks=len(model),
                                    device=device, vocab_size=vocab_size)
-        self.options = ForwardOptions(tp_group=self.groups.pg_collection.tp)
+        from runtime.adapters.megatron_lm import mlm
+
+        config = mlm.training.get_model_config(model[0])
+        if config.num_moe_experts:
+            self.routers = RouterSteps(config, groups=self.groups, device=device,
+                                       sequence_parallel=bool(config.sequence_parallel))
+        self.options = ForwardOptions(tp_group=self.groups.pg_collection.tp,
+                                      routers=self.routers)
         if self.eval_reader is not None and self.eval_source is not None:
             self.eval_schedule = EvalSchedule(self.eval_reader, self.eval_source, topology,
                                               self.groups.catalog, max_steps=eval_iters)
@@ -136,6 +150,16 @@ class PlanSession:
                 yield _tag(batches.batch(step, m, c), c)
         its = [chunk(c) for c in range(batches.num_chunks)]
         return its[0] if len(its) == 1 else its
+
+    def begin_step(self, step: int) -> bool:
+        """Open training step ``step``'s routing statistics (a MoE model); True when the step
+        needs its statistics pass (``global_aux_loss``: ``counting_step`` over the step's
+        batches, inside ``routers.counting()``) before the training forward."""
+        if self.routers is None:
+            return False
+        assert self.batches is not None
+        self.routers.begin(self.batches.step_tokens(step))
+        return self.routers.needs_counts
 
     def eval_num_microbatches(self, step: int) -> int:
         assert self.eval_schedule is not None
@@ -162,14 +186,27 @@ class PlanSession:
             _add_seqlen_stats(batch)
         return forward_step(batch, model, self.options)
 
-    def step_loss_tokens(self, reports: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
-        """The step's (loss sum, loss tokens) over the pool, on every rank (collective)."""
+    def counting_step(self, data_iterator: Iterator[Batch], model: nn.Module
+                      ) -> tuple[Any, Any]:
+        """``global_aux_loss``'s statistics pass: routing only, no loss (``forward_step(...,
+        counting=True)``)."""
+        assert self.options is not None
+        return forward_step(next(data_iterator), model, self.options, counting=True)
+
+    def step_loss(self, reports: list[dict[str, torch.Tensor]], *, training: bool
+                  ) -> StepLoss:
+        """The step's per-token loss over the pool, on every rank (collective); a training
+        step of a MoE model also reports its load-balancing term and tokens per expert."""
         assert self.groups is not None
         topology = self.groups.topology
         loss_sum, count, _ = reduce_reports(
             reports, mtp_depth=0, device=self.device, pool_group=self.groups.catalog.pool_group,
             pp_group=self.groups.pg_collection.pp if topology.pp > 1 else None)
-        return loss_sum, count
+        aux, tokens_per_expert = None, None
+        if training and self.routers is not None:
+            aux, tokens_per_expert = self.routers.report(count)
+        return StepLoss(loss=loss_sum / max(count, 1.0), loss_tokens=int(count),
+                        moe_aux_loss=aux, moe_tokens_per_expert=tokens_per_expert)
 
     def step_tokens(self, step: int) -> int:
         assert self.batches is not None
