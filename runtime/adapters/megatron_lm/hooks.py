@@ -15,8 +15,9 @@
 - ``training.get_forward_backward_func``: the schedule Megatron-LM builds is called with the
   plan's data iterator and microbatch count for ``args.curr_iteration`` (training; a MoE
   model with ``global_aux_loss`` first runs the step's forward-only statistics pass through
-  the same schedule) or the eval plan's next step (``forward_only``: evaluation), so ``get_num_microbatches()`` keeps its global
-  batch meaning for consumed samples, the LR schedule, logging and checkpoints;
+  the same schedule) or the eval plan's next step (``forward_only``: evaluation), so
+  ``get_num_microbatches()`` keeps its global batch meaning for consumed samples, the LR
+  schedule, logging and checkpoints;
 - ``training.train_step``, ``training.evaluate_and_print_results``: ``--log-jsonl`` lines;
 - ``training.save_checkpoint`` / ``load_checkpoint``: the plan record beside each checkpoint;
   a fresh torch Adam given the state the load describes (no Apex or TE).

@@ -205,6 +205,8 @@ class PlanSession:
         aux, tokens_per_expert = None, None
         if training and self.routers is not None:
             aux, tokens_per_expert = self.routers.report(count)
+            if aux is not None:
+                _track_load_balancing(self.routers, aux, first_stage=topology.pp_rank == 0)
         return StepLoss(loss=loss_sum / max(count, 1.0), loss_tokens=int(count),
                         moe_aux_loss=aux, moe_tokens_per_expert=tokens_per_expert)
 
@@ -217,6 +219,32 @@ class PlanSession:
             close = getattr(obj, "close", None)
             if close is not None:
                 close()
+
+
+_TRACKED = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+            "global_aux_loss": "global_load_balancing_loss"}
+"""Megatron's metric name of each load-balancing type (router.py)."""
+
+
+def _track_load_balancing(routers: RouterSteps, aux: float, *, first_stage: bool) -> None:
+    """Megatron-LM's log line (``track_moe_metrics``) reads the router methods' own records,
+    which the binding replaces: record the step's term there instead, so that its figure is the
+    adapter's load-balancing loss per MoE layer, unweighted (``aux / coeff / layers``). Megatron
+    sums the records over the pipeline, averages them over the data-parallel ranks and scales
+    them by ``1 / get_num_microbatches()`` (its global-batch count, not the plan's), so every
+    rank of the first stage records the same value times that count, spread evenly over the
+    layers (``--moe-per-layer-logging`` is refused)."""
+    from runtime.adapters.megatron_lm import mlm
+
+    config = routers.config
+    (kind,) = routers.active  # one type: flags.moe_refusals
+    coeff = config.moe_aux_loss_coeff
+    coeff = float(coeff[0] if isinstance(coeff, (list, tuple)) else coeff)
+    layers = int(config.num_layers)
+    value = aux / coeff / layers * mlm.training.get_num_microbatches() if first_stage else 0.0
+    for layer in range(1, layers + 1):
+        mcore.moe_utils.save_to_aux_losses_tracker(
+            _TRACKED[kind], torch.tensor(value, device=routers.device), layer, layers)
 
 
 def _tag(batch: Batch, chunk: int) -> Batch:

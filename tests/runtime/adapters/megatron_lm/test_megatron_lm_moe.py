@@ -2,10 +2,12 @@
 whose microbatches use CP groups of 1, 2 and 4 ranks, on 4 gloo ranks, against the launcher's
 one-process oracle (every segment alone, the adapter's load-balancing definition computed
 independently: relative 1e-5 on every step's loss, gradient norm and load-balancing term; the
-tokens per expert exactly). Skipped without a supported ``megatron.training``."""
+tokens per expert exactly; Megatron-LM's printed load-balancing loss is the same term).
+Skipped without a supported ``megatron.training``."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +60,38 @@ def test_moe_pool_of_4_with_cp_1_2_4_equals_the_oracle(data: dict[str, Path], tm
         assert close(g["moe_aux_loss"], w["moe_aux_loss"]), (g, w)
         assert g["moe_tokens_per_expert"] == w["moe_tokens_per_expert"], (g, w)
         assert sum(g["moe_tokens_per_expert"][0]) == 2 * g["tokens"]  # top-2 of real tokens
+    # Megatron-LM's own log line: the same term, unweighted, per MoE layer (2 layers).
+    name = {"seq_aux_loss": "seq_load_balancing_loss",
+            "global_aux_loss": "global_load_balancing_loss"}[load_balancing]
+    # Its second line averages the first two iterations, its lm loss as well (docs).
+    printed = [float(m) for m in re.findall(rf"\| {name}: ([0-9.E+-]+) \|", run.stdout)]
+    lm = [float(m) for m in re.findall(r"\| lm loss: ([0-9.E+-]+) \|", run.stdout)]
+    assert len(printed) == len(lm) == len(got) == 3, run.stdout[-3000:]
+
+    def as_printed(values: list[float]) -> list[float]:
+        return [values[0], (values[0] + values[1]) / 2, *values[2:]]
+    for value, want_value in zip(lm, as_printed([g["loss"] for g in got]), strict=True):
+        assert close(value, want_value, 1e-5), (value, want_value)
+    term = as_printed([g["moe_aux_loss"] / 1e-2 / 2 for g in got])
+    for value, want_value in zip(printed, term, strict=True):
+        assert close(value, want_value, 1e-5), (value, want_value)
+
+
+def test_routers_keeping_their_build_time_group_is_caught(data: dict[str, Path],
+                                                         tmp_path: Path) -> None:
+    """Without the routers' per-microbatch TP x CP group (the mutation ``probe.py
+    no-router-rebinding``), the run fails or leaves the oracle."""
+    extra = moe_flags("seq_aux_loss")
+    run = launch(4, data["pool4"], data["data"], tmp_path / "run.jsonl", extra=extra,
+                 probe="no-router-rebinding")
+    if run.returncode != 0:
+        return
+    ok(reference(data["pool4"], data["data"], tmp_path / "ref.jsonl", extra=extra))
+    got, want = lines(tmp_path / "run.jsonl")[0], lines(tmp_path / "ref.jsonl")[0]
+    assert not all(close(g["moe_aux_loss"], w["moe_aux_loss"])
+                   for g, w in zip(got, want, strict=True))
+    with pytest.raises(AssertionError):
+        assert_same_steps(got, want)
 
 
 def test_moe_flags_the_plan_path_does_not_run_are_refused(data: dict[str, Path],
