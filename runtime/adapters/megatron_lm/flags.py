@@ -4,7 +4,8 @@ All of it runs right after Megatron-LM's own ``validate_args`` (``hooks.Launcher
 rank alike, before any process group, model or dataset exists: a refusal costs nothing and
 names the flag, the plan's value and Megatron-LM's. Three kinds of check:
 
-- ``refusals``: flags whose machinery the plan replaces or cannot replay (each with its reason);
+- ``refusals``: flags whose machinery the plan replaces or cannot replay (each with its reason;
+  the MoE and multi-token prediction ones in ``model_flags``);
 - ``requirements``: what per-microbatch CP needs of any job (one microbatch is one plan pack,
   the loss is summed per token);
 - ``plan_mismatches``: the job the flags describe against the plan the launcher was given
@@ -27,6 +28,7 @@ from planner.groups import ZIGZAG
 from planner.planfile.schema import PlanHeader
 from planner.sources.dataset import plan_items
 from planner.sources.textenc import TokenizerSpec, tokenizer_file
+from runtime.adapters.megatron_lm import model_flags
 
 Args = Any
 """Megatron-LM's argument namespace (``argparse.Namespace``)."""
@@ -73,8 +75,6 @@ REFUSED: tuple[tuple[str, Callable[[Args], bool], str], ...] = (
     ("--perform-rl-step", _set("perform_rl_step"), "RL steps build their own batches"),
     ("--multi-latent-attention", _set("multi_latent_attention"),
      "Megatron's MLA asserts that no per-microbatch CP size is given"),
-    ("--mtp-num-layers", _set("mtp_num_layers"), "multi-token prediction through the launcher "
-     "is not supported yet (dcp-train --framework megatron and PlanJob bind it)"),
     ("--dataloader-inter-document-masking", _set("dataloader_inter_document_masking"),
      "the plan's packs carry their own sequence boundaries"),
     ("--reset-position-ids", _set("reset_position_ids"),
@@ -95,84 +95,11 @@ def refusals(args: Args, argv: list[str] | None = None) -> list[str]:
     """Every refused flag the job sets, with the reason; ``argv``: the command line, for the
     one flag whose default validate_args fills in (``--dataloader-type``)."""
     out = [f"{flag}: refused: {why}" for flag, given, why in REFUSED if given(args)]
-    out += moe_refusals(args)
+    out += model_flags.refusals(args)
     loader = _value(argv or [], "--dataloader-type")
     if loader not in (None, "external"):
         out.append(f"--dataloader-type {loader}: refused: the plan is the data loader (the "
                    "launcher sets --dataloader-type external)")
-    return out
-
-
-MOE_FLAGS = frozenset({"num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
-                       "moe_aux_loss_coeff", "moe_router_load_balancing_type",
-                       "moe_token_dispatcher_type"})
-"""The MoE settings the plan path runs and its oracle builds (top-k softmax routing into
-Megatron's SequentialMLP experts, dropless, alltoall, one load-balancing type); any other
-``moe_*`` flag away from Megatron's default is refused (``moe_refusals``)."""
-
-
-class _ConfigView:
-    """Megatron-LM's arguments under ``TransformerConfig``'s field names (``num_moe_experts``
-    is ``--num-experts``), for the adapter's own MoE check."""
-
-    def __init__(self, args: Args) -> None:
-        self._args = args
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._args, "num_experts" if name == "num_moe_experts" else name, None)
-
-
-def flag_of(field: str) -> str:
-    """Megatron-LM's flag of a ``TransformerConfig`` field."""
-    return "--num-experts" if field == "num_moe_experts" else "--" + field.replace("_", "-")
-
-
-def moe_refusals(args: Args) -> list[str]:
-    """A MoE job's flags the plan path does not run: the adapter's own refusals
-    (``binding.routers.moe_refusals``, those of ``dcp-train --framework megatron``) in
-    Megatron-LM's flag names, then every other MoE flag away from its default."""
-    from runtime.adapters.megatron.binding.routers import moe_refusals as adapter_refusals
-
-    if not getattr(args, "num_experts", None):
-        return []
-    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-    out = []
-    for r in adapter_refusals(_ConfigView(args), tp=tp,
-                              sequence_parallel=bool(getattr(args, "sequence_parallel", False))):
-        flag = flag_of(r.field)
-        fix = ("" if r.want is None else "; drop the flag" if r.want in ("None", "False")
-               else f"; give {flag} {r.want.strip(chr(39))}")
-        out.append(f"{flag} {getattr(args, r.field, None)}: refused: {r.why}{fix}")
-    for name, default in _moe_defaults().items():
-        value = getattr(args, name, default)
-        if name not in MOE_FLAGS and value != default and \
-                not any(o.startswith(flag_of(name) + " ") for o in out):
-            out.append(f"{flag_of(name)} {value}: refused: the plan path and its oracle run "
-                       "top-k softmax routing into Megatron's SequentialMLP experts (dropless, "
-                       "alltoall) only; leave it at its default "
-                       f"({default})")
-    for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
-        value = getattr(args, name, None)
-        if isinstance(value, (list, tuple)) and len(value) > 1:
-            out.append(f"{flag_of(name)} {' '.join(map(str, value))}: refused: the oracle "
-                       "computes one load-balancing term; give one value")
-    return out
-
-
-def _moe_defaults() -> dict[str, Any]:
-    """Megatron's default of every ``moe_*`` setting (``TransformerConfig``'s, and the two
-    Megatron-LM adds: ``--moe-layer-freq``, ``--moe-use-upcycling``)."""
-    import dataclasses
-
-    from runtime.adapters.megatron.compat import mcore
-
-    out: dict[str, Any] = {"moe_layer_freq": 1, "moe_use_upcycling": False}
-    for f in dataclasses.fields(mcore.TransformerConfig):
-        if f.name.startswith("moe_"):
-            if f.default is not dataclasses.MISSING:
-                out[f.name] = f.default
-            elif f.default_factory is not dataclasses.MISSING:
-                out[f.name] = f.default_factory()
     return out
 
 

@@ -302,7 +302,7 @@ class Launcher:
                 grad_norm = out[5]
                 self._write(StepLog(
                     step=step, loss=loss.loss, moe_aux_loss=loss.moe_aux_loss,
-                    moe_tokens_per_expert=loss.moe_tokens_per_expert,
+                    moe_tokens_per_expert=loss.moe_tokens_per_expert, mtp_loss=loss.mtp_loss,
                     tokens=self.session.step_tokens(step), loss_tokens=loss.loss_tokens,
                     microbatches=self.session.num_microbatches(step),
                     seconds=time.perf_counter() - t0, skipped=bool(out[1]),

@@ -45,13 +45,15 @@ def gpt_config(args: Args) -> GPTConfig:
 
 
 def megatron_options(args: Args) -> MegatronOptions:
-    """The MoE fields of Megatron-LM's flags as ``dcp-train``'s ``MegatronOptions`` (what the
-    oracle's model and its load-balancing term read; a dense model: the defaults)."""
+    """The MoE and MTP fields of Megatron-LM's flags as ``dcp-train``'s ``MegatronOptions``
+    (what the oracle's model and its extra loss terms read; a dense model: the defaults)."""
+    mtp = {"mtp_num_layers": args.mtp_num_layers,
+           "mtp_loss_scaling_factor": args.mtp_loss_scaling_factor} if args.mtp_num_layers else {}
     if not args.num_experts:
-        return MegatronOptions()
+        return MegatronOptions(**mtp)
     kind, coeff = args.moe_router_load_balancing_type, args.moe_aux_loss_coeff
     return MegatronOptions(
-        num_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+        **mtp, num_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size or 0,
         moe_aux_loss_coeff=float(coeff[0] if isinstance(coeff, (list, tuple)) else coeff),
         moe_router_load_balancing_type=kind[0] if isinstance(kind, (list, tuple)) else kind)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,6 +31,7 @@ import torch.distributed as dist
 from runtime.adapters.megatron.binding import moe
 from runtime.adapters.megatron.binding.batch import Batch
 from runtime.adapters.megatron.binding.groups import MegatronGroups
+from runtime.adapters.megatron.binding.refusal import Refusal, config_message
 from runtime.train.megatron_options import LOAD_BALANCING_TYPES
 
 
@@ -41,19 +41,7 @@ def load_balancing_types(config: Any) -> list[str]:
     return list(kind) if isinstance(kind, (list, tuple)) else [kind]
 
 
-@dataclass(frozen=True, slots=True)
-class MoERefusal:
-    """One MoE feature the adapter does not run under dynamic CP."""
-
-    field: str
-    """The ``TransformerConfig`` field (Megatron-LM's flag of the same name, but
-    ``num_moe_experts``: ``--num-experts``)."""
-    why: str
-    want: str | None
-    """The value to set instead (its repr), or None where ``why`` says what to use."""
-
-
-def moe_refusals(config: Any, *, tp: int, sequence_parallel: bool) -> list[MoERefusal]:
+def moe_refusals(config: Any, *, tp: int, sequence_parallel: bool) -> list[Refusal]:
     """Every MoE feature of ``config`` the adapter cannot run under dynamic CP (none for a dense
     model). ``config``: a ``TransformerConfig`` or anything with its field names (the
     Megatron-LM launcher passes a view of its arguments)."""
@@ -99,18 +87,16 @@ def moe_refusals(config: Any, *, tp: int, sequence_parallel: bool) -> list[MoERe
             tp > 1 and not sequence_parallel, "MoE with tp > 1 needs sequence parallelism "
             "(Megatron refuses it in training): plan with dcp-plan --sequence-parallel", None),
     }
-    return [MoERefusal(name, why, want) for name, (refused, why, want) in checks.items()
-            if refused]
+    return [Refusal(name, why, want) for name, (refused, why, want) in checks.items() if refused]
 
 
 def check_config(config: Any, *, tp: int, sequence_parallel: bool) -> None:
     """Refuse a MoE ``TransformerConfig`` the adapter cannot run under dynamic CP (the same
     ValueError on every rank, at start-up), saying what to use instead (``moe_refusals``)."""
-    bad = [f"{r.field}={getattr(config, r.field)!r}: {r.why}"
-           + ("" if r.want is None else f": set {r.want}")
-           for r in moe_refusals(config, tp=tp, sequence_parallel=sequence_parallel)]
+    bad = moe_refusals(config, tp=tp, sequence_parallel=sequence_parallel)
     if bad:
-        raise ValueError("MoE model the adapter cannot run under dynamic CP: " + "; ".join(bad))
+        raise ValueError("MoE model the adapter cannot run under dynamic CP: "
+                         + config_message(config, bad))
 
 
 class RouterSteps:
