@@ -41,18 +41,21 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return make_data(tmp_path_factory.mktemp("megatron_lm_moe"))
 
 
-@pytest.mark.parametrize("load_balancing", ["seq_aux_loss", "global_aux_loss"])
-def test_moe_pool_of_4_with_cp_1_2_4_equals_the_oracle(data: dict[str, Path], tmp_path: Path,
-                                                       load_balancing: str) -> None:
+@pytest.mark.parametrize(("plan", "load_balancing"), [
+    ("pool4", "seq_aux_loss"), ("pool4", "global_aux_loss"), ("pp2", "global_aux_loss")])
+def test_moe_with_per_microbatch_cp_equals_the_oracle(data: dict[str, Path], tmp_path: Path,
+                                                      plan: str, load_balancing: str) -> None:
     """Each microbatch's CP group bound into the routers (seq_aux_loss: per sequence over its
-    group's ranks; global_aux_loss: the step's statistics pass first)."""
-    with PlanReader(data["pool4"]) as reader:
+    group's ranks; global_aux_loss: the step's statistics pass first, through 1F1B too)."""
+    with PlanReader(data[plan]) as reader:
         used = {int(k) for s in range(3) for k in np.unique(reader.step(s).cp_size)}
-    assert used == {1, 2, 4}
+    assert used == ({1, 2, 4} if plan == "pool4" else {1, 2})
     extra = moe_flags(load_balancing)
-    run = launch(4, data["pool4"], data["data"], tmp_path / "run.jsonl", extra=extra)
+    if plan == "pp2":
+        extra += ["--pipeline-model-parallel-size", "2"]
+    run = launch(4, data[plan], data["data"], tmp_path / "run.jsonl", extra=extra)
     ok(run)
-    ok(reference(data["pool4"], data["data"], tmp_path / "ref.jsonl", extra=extra))
+    ok(reference(data[plan], data["data"], tmp_path / "ref.jsonl", extra=extra))
     got, want = lines(tmp_path / "run.jsonl")[0], lines(tmp_path / "ref.jsonl")[0]
     assert_same_steps(got, want)
     for g, w in zip(got, want, strict=True):
