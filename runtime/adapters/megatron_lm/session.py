@@ -250,7 +250,7 @@ def _track_load_balancing(routers: RouterSteps, aux: float, *, first_stage: bool
     from runtime.adapters.megatron_lm import mlm
 
     config = routers.config
-    (kind,) = routers.active  # one type: flags.moe_refusals
+    (kind,) = routers.active  # one type: model_flags.refusals
     coeff = config.moe_aux_loss_coeff
     coeff = float(coeff[0] if isinstance(coeff, (list, tuple)) else coeff)
     layers = int(config.num_layers)
