@@ -4,7 +4,8 @@ All of it runs right after Megatron-LM's own ``validate_args`` (``hooks.Launcher
 rank alike, before any process group, model or dataset exists: a refusal costs nothing and
 names the flag, the plan's value and Megatron-LM's. Three kinds of check:
 
-- ``refusals``: flags whose machinery the plan replaces or cannot replay (each with its reason);
+- ``refusals``: flags whose machinery the plan replaces or cannot replay (each with its reason;
+  the MoE and multi-token prediction ones in ``model_flags``);
 - ``requirements``: what per-microbatch CP needs of any job (one microbatch is one plan pack,
   the loss is summed per token);
 - ``plan_mismatches``: the job the flags describe against the plan the launcher was given
@@ -27,6 +28,7 @@ from planner.groups import ZIGZAG
 from planner.planfile.schema import PlanHeader
 from planner.sources.dataset import plan_items
 from planner.sources.textenc import TokenizerSpec, tokenizer_file
+from runtime.adapters.megatron_lm import model_flags
 
 Args = Any
 """Megatron-LM's argument namespace (``argparse.Namespace``)."""
@@ -73,11 +75,6 @@ REFUSED: tuple[tuple[str, Callable[[Args], bool], str], ...] = (
     ("--perform-rl-step", _set("perform_rl_step"), "RL steps build their own batches"),
     ("--multi-latent-attention", _set("multi_latent_attention"),
      "Megatron's MLA asserts that no per-microbatch CP size is given"),
-    ("--num-experts", _set("num_experts"), "MoE through the launcher is not supported yet (its "
-     "router groups and load-balancing terms are bound by dcp-train --framework megatron and "
-     "PlanJob only)"),
-    ("--mtp-num-layers", _set("mtp_num_layers"), "multi-token prediction through the launcher "
-     "is not supported yet (dcp-train --framework megatron and PlanJob bind it)"),
     ("--dataloader-inter-document-masking", _set("dataloader_inter_document_masking"),
      "the plan's packs carry their own sequence boundaries"),
     ("--reset-position-ids", _set("reset_position_ids"),
@@ -98,6 +95,7 @@ def refusals(args: Args, argv: list[str] | None = None) -> list[str]:
     """Every refused flag the job sets, with the reason; ``argv``: the command line, for the
     one flag whose default validate_args fills in (``--dataloader-type``)."""
     out = [f"{flag}: refused: {why}" for flag, given, why in REFUSED if given(args)]
+    out += model_flags.refusals(args)
     loader = _value(argv or [], "--dataloader-type")
     if loader not in (None, "external"):
         out.append(f"--dataloader-type {loader}: refused: the plan is the data loader (the "

@@ -13,9 +13,11 @@
   provider becomes placeholders, the forward step the plan's, and the model gets the launcher's
   pre-wrap hook (``model``); the rest of the call is the user's;
 - ``training.get_forward_backward_func``: the schedule Megatron-LM builds is called with the
-  plan's data iterator and microbatch count for ``args.curr_iteration`` (training) or the eval
-  plan's next step (``forward_only``: evaluation), so ``get_num_microbatches()`` keeps its global
-  batch meaning for consumed samples, the LR schedule, logging and checkpoints;
+  plan's data iterator and microbatch count for ``args.curr_iteration`` (training; a MoE
+  model with ``global_aux_loss`` first runs the step's forward-only statistics pass through
+  the same schedule) or the eval plan's next step (``forward_only``: evaluation), so
+  ``get_num_microbatches()`` keeps its global batch meaning for consumed samples, the LR
+  schedule, logging and checkpoints;
 - ``training.train_step``, ``training.evaluate_and_print_results``: ``--log-jsonl`` lines;
 - ``training.save_checkpoint`` / ``load_checkpoint``: the plan record beside each checkpoint;
   a fresh torch Adam given the state the load describes (no Apex or TE).
@@ -35,6 +37,7 @@ import torch.distributed as dist
 
 from planner.fileguard import open_log
 from planner.prediction import StepPrediction
+from runtime.adapters.megatron.binding.step_loss import StepLoss
 from runtime.adapters.megatron_lm import LauncherOptions, checkpoint, cpu, flags, mlm, model
 from runtime.adapters.megatron_lm.session import PlanSession
 from runtime.train.runlog import EvalLog, StepLog
@@ -69,7 +72,7 @@ class Launcher:
         self._eval_step = 0
         self._eval_reports: list[dict[str, torch.Tensor]] = []
         self._eval_microbatches = 0
-        self._step: tuple[float, float] = (0.0, 0.0)
+        self._step: StepLoss | None = None
         self._tagged_p2p: Any = None
         self.device = torch.device("cpu")
 
@@ -242,6 +245,10 @@ class Launcher:
                     _exit([str(e)])
             config = mlm.training.get_model_config(chunks[0])
             config.variable_seq_lengths = True
+            if self.on_cpu and self.args.pipeline_model_parallel_size > 1:
+                assert s.groups is not None
+                kw["p2p_communicator"] = self._p2p(config)
+                kw["pg_collection"] = kw.get("pg_collection") or s.groups.pg_collection
             if forward_only:
                 step = self._eval_step
                 self._eval_step += 1
@@ -250,12 +257,14 @@ class Launcher:
                 self._eval_microbatches += kw["num_microbatches"]
             else:
                 step = self.args.curr_iteration
-                kw["data_iterator"] = s.data_iterator(step)
                 kw["num_microbatches"] = s.num_microbatches(step)
-            if self.on_cpu and self.args.pipeline_model_parallel_size > 1:
-                assert s.groups is not None
-                kw["p2p_communicator"] = self._p2p(config)
-                kw["pg_collection"] = kw.get("pg_collection") or s.groups.pg_collection
+                if s.begin_step(step):  # global_aux_loss: every microbatch's routing first
+                    assert s.routers is not None
+                    with s.routers.counting():
+                        real(**{**kw, "forward_step_func": s.counting_step,
+                                "data_iterator": s.data_iterator(step)},
+                             model=model, forward_only=True)
+                kw["data_iterator"] = s.data_iterator(step)
             s.count_flops = not forward_only
             try:
                 reports = real(model=model, forward_only=forward_only, **kw)
@@ -264,7 +273,7 @@ class Launcher:
             if forward_only:
                 self._eval_reports += list(reports or [])
             else:
-                self._step = s.step_loss_tokens(list(reports or []))
+                self._step = s.step_loss(list(reports or []), training=True)
             return reports
         return forward_backward
 
@@ -288,11 +297,13 @@ class Launcher:
             t0 = time.perf_counter()
             out = original(*a, **kw)
             if self.log is not None:
-                loss_sum, count = self._step
+                loss = self._step
+                assert loss is not None
                 grad_norm = out[5]
                 self._write(StepLog(
-                    step=step, loss=loss_sum / max(count, 1.0),
-                    tokens=self.session.step_tokens(step), loss_tokens=int(count),
+                    step=step, loss=loss.loss, moe_aux_loss=loss.moe_aux_loss,
+                    moe_tokens_per_expert=loss.moe_tokens_per_expert, mtp_loss=loss.mtp_loss,
+                    tokens=self.session.step_tokens(step), loss_tokens=loss.loss_tokens,
                     microbatches=self.session.num_microbatches(step),
                     seconds=time.perf_counter() - t0, skipped=bool(out[1]),
                     predicted_s=None if self.prediction is None else self.prediction(step),
@@ -312,11 +323,10 @@ class Launcher:
             t0 = time.perf_counter()
             out = original(*a, **kw)
             if self.session.batches is not None and self._eval_step:
-                loss_sum, count = self.session.step_loss_tokens(self._eval_reports)
+                loss = self.session.step_loss(self._eval_reports, training=False)
                 if self.log is not None:
-                    self._write(EvalLog(after_step=int(iteration) - 1,
-                                        eval_loss=loss_sum / max(count, 1.0),
-                                        eval_tokens=int(count),
+                    self._write(EvalLog(after_step=int(iteration) - 1, eval_loss=loss.loss,
+                                        eval_tokens=loss.loss_tokens,
                                         eval_microbatches=self._eval_microbatches,
                                         seconds=time.perf_counter() - t0))
             return out

@@ -26,6 +26,7 @@ from torch import nn
 from runtime.adapters.megatron.compat import mcore
 from runtime.adapters.megatron.model.attention import PlanCoreAttention
 from runtime.adapters.megatron.model.gpt import init_weights
+from runtime.train.megatron_options import MegatronOptions
 from runtime.train.model import GPTConfig
 
 Args = Any
@@ -41,6 +42,21 @@ def gpt_config(args: Args) -> GPTConfig:
         ffn_hidden_size=args.ffn_hidden_size, rope_theta=float(args.rotary_base),
         tie_embeddings=not args.untie_embeddings_and_output_weights,
         norm_eps=args.layernorm_epsilon, init_std=args.init_method_std)
+
+
+def megatron_options(args: Args) -> MegatronOptions:
+    """The MoE and MTP fields of Megatron-LM's flags as ``dcp-train``'s ``MegatronOptions``
+    (what the oracle's model and its extra loss terms read; a dense model: the defaults)."""
+    mtp = {"mtp_num_layers": args.mtp_num_layers,
+           "mtp_loss_scaling_factor": args.mtp_loss_scaling_factor} if args.mtp_num_layers else {}
+    if not args.num_experts:
+        return MegatronOptions(**mtp)
+    kind, coeff = args.moe_router_load_balancing_type, args.moe_aux_loss_coeff
+    return MegatronOptions(
+        **mtp, num_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size or 0,
+        moe_aux_loss_coeff=float(coeff[0] if isinstance(coeff, (list, tuple)) else coeff),
+        moe_router_load_balancing_type=kind[0] if isinstance(kind, (list, tuple)) else kind)
 
 
 def check_oracle_shape(args: Args) -> list[str]:

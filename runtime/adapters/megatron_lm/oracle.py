@@ -7,7 +7,10 @@ TensorBoard, W&B; the vocabulary padded for the distributed run's tp, so the sha
 Megatron-LM's own ``get_optimizer_param_scheduler`` gives the same warmup and decay. The model is
 the adapter's oracle model (``model.gpt.build_chunks`` with whole-sequence attention), from the
 same split-independent weights (``--init-seed``), trained in fp32 on the CPU with AdamW over
-Megatron's parameter groups (no decay on 1-D weights) and Megatron's gradient clipping. Every
+Megatron's parameter groups (no decay on 1-D weights) and Megatron's gradient clipping. A MoE
+model's load-balancing term is the adapter's definition computed every segment alone
+(``model.oracle_terms.MoETerms``, as ``dcp-train --reference --framework megatron``), and
+multi-token prediction's term each segment's depths alone (``MTPTerms``). Every
 step runs every sample segment of the plan's step alone (``runtime.train.oracle.reference_step``,
 shared with ``dcp-train --reference``); evaluations follow Megatron-LM's (every
 ``--eval-interval`` iterations and after the last, each over the eval plan's first
@@ -102,13 +105,14 @@ def _train(options: LauncherOptions, args: Any, data_path: list[str]) -> None:
         ModelParallel,
         transformer_config,
     )
+    from runtime.adapters.megatron.model.oracle_terms import MoETerms, MTPTerms
     from runtime.adapters.megatron.parallel.optim import adamw_groups
     from runtime.adapters.megatron.trainer.oracle import reference_model, segment_logits
     from runtime.adapters.megatron_lm import flags, mlm, model
     from runtime.adapters.megatron_lm.hooks import _exit
     from runtime.adapters.megatron_lm.session import PlanSession
     from runtime.train.config import TrainConfig
-    from runtime.train.oracle import reference_eval, reference_step
+    from runtime.train.oracle import SegmentTerms, reference_eval, reference_step
     from runtime.train.runlog import EvalLog, StepLog
 
     a: Any = args
@@ -134,7 +138,11 @@ def _train(options: LauncherOptions, args: Any, data_path: list[str]) -> None:
         install(device)
         model_config = model.gpt_config(a)
         header = session.header
-        config = transformer_config(model_config, ModelParallel(dtype=torch.float32))
+        megatron = model.megatron_options(a)
+        # Megatron's own load-balancing loss is off: MoETerms computes the adapter's definition
+        # (dcp-train --reference --framework megatron's oracle).
+        config = transformer_config(model_config, ModelParallel(dtype=torch.float32), megatron,
+                                    **({"moe_aux_loss_coeff": 0.0} if megatron.moe else {}))
         net = reference_model(model_config, config, header, seed=options.init_seed or 0,
                               device=device)
         groups_wd = adamw_groups(net.named_parameters(), a.weight_decay)
@@ -148,7 +156,13 @@ def _train(options: LauncherOptions, args: Any, data_path: list[str]) -> None:
         cfg = TrainConfig(plan=options.plan, dataset=files[0], datasets=tuple(files),
                           eval_plan=options.eval_plan, eval_dataset=files[0] if options.eval_plan
                           else "", eval_steps=a.eval_iters if options.eval_plan else 0)
-        logits_of = segment_logits(net, cfg, device, {})
+        mtp_logits: dict[str, torch.Tensor] = {}
+        logits_of = segment_logits(net, cfg, device, mtp_logits)
+        terms: SegmentTerms | None = None
+        if megatron.moe:
+            terms = MoETerms(net, megatron, session.reader, logits_of)
+        elif megatron.mtp_num_layers:
+            terms = MTPTerms(megatron, mtp_logits)
         prediction = StepPrediction(options.plan)  # the launcher's lines carry it too
         log = open_log(options.log_jsonl, inputs=[options.plan]) if options.log_jsonl else None
         try:
@@ -158,7 +172,7 @@ def _train(options: LauncherOptions, args: Any, data_path: list[str]) -> None:
             for step in range(iters):
                 line = reference_step(net, optimizer, session.reader, source, step,
                                       vocab, cfg, device, logits_of,
-                                      clip_grad=a.clip_grad)
+                                      clip_grad=a.clip_grad, terms=terms)
                 line = dataclasses.replace(line, predicted_s=prediction(step))
                 if not line.skipped:
                     scheduler.step(increment=a.global_batch_size)

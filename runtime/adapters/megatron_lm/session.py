@@ -4,7 +4,14 @@ It owns what the launcher's hooks hand to Megatron-LM: per training step the pla
 iterator (one per model chunk under virtual pipelining) and its microbatch count, per
 evaluation iteration the eval plan's, and the ``forward_step_func`` that binds each
 microbatch's CP group (``runtime.adapters.megatron.binding.forward``: RoPE and core attention)
-and returns the per-token loss. It reuses the adapter's binding as it is: ``PlanBatches``
+and returns the per-token loss. For a MoE model the same forward step binds each microbatch's
+CP and TP x CP groups and rows into every router, and a ``RouterSteps`` (``binding.routers``)
+keeps each training step's load-balancing term and tokens per expert, as in ``PlanJob``; with
+``global_aux_loss`` the launcher runs the step's forward-only statistics pass first
+(``counting_step``). With multi-token prediction the batches carry each microbatch's MTP
+targets and shift map (``mtp_depth``), the loss adds the MTP term, and its per-depth report is
+split into the ``[sum, count]`` pairs Megatron-LM's ``train_step`` takes (``mtp_1 loss``, ...).
+It reuses the adapter's binding as it is: ``PlanBatches``
 turns plan rows into Megatron batches, ``groups_from_parallel_state`` wraps Megatron's own
 hybrid DP x CP groups (the launcher asks ``initialize_model_parallel`` for them), so no group
 is created twice.
@@ -31,7 +38,8 @@ from planner.sources.dataset import plan_items
 from runtime.adapters.megatron.binding.batch import Batch, PlanBatches
 from runtime.adapters.megatron.binding.forward import ForwardOptions, forward_step
 from runtime.adapters.megatron.binding.groups import MegatronGroups, groups_from_parallel_state
-from runtime.adapters.megatron.binding.step_loss import reduce_reports
+from runtime.adapters.megatron.binding.routers import RouterSteps
+from runtime.adapters.megatron.binding.step_loss import StepLoss, reduce_reports
 from runtime.adapters.megatron.compat import mcore
 from runtime.data.evaluation import EvalSchedule, check_eval_layout
 from runtime.data.plan_reader import PlanReader
@@ -69,6 +77,10 @@ class PlanSession:
         self.eval_batches: PlanBatches | None = None
         self.eval_schedule: EvalSchedule | None = None
         self.options: ForwardOptions | None = None
+        self.mtp_depth = 0
+        """The model's multi-token prediction layers (0: none)."""
+        self.routers: RouterSteps | None = None
+        """A MoE model's per-step routing bookkeeping (None for a dense model)."""
         self.device = torch.device("cpu")
         self.count_flops = False
         """True while a training step runs (evaluation adds nothing to the FLOPs figure)."""
@@ -111,15 +123,25 @@ class PlanSession:
                              "order, without --use-tp-pp-dp-mapping)")
         self.groups = groups_from_parallel_state(topology, self.header.cp_sizes)
         self.device = device
+        from runtime.adapters.megatron_lm import mlm
+
+        config = mlm.training.get_model_config(model[0])
+        self.mtp_depth = int(config.mtp_num_layers or 0)
         self.batches = PlanBatches(self.reader, self.source, self.groups, num_chunks=len(model),
-                                   device=device, vocab_size=vocab_size)
-        self.options = ForwardOptions(tp_group=self.groups.pg_collection.tp)
+                                   device=device, vocab_size=vocab_size,
+                                   mtp_depth=self.mtp_depth)
+        if config.num_moe_experts:
+            self.routers = RouterSteps(config, groups=self.groups, device=device,
+                                       sequence_parallel=bool(config.sequence_parallel))
+        scaling = float(config.mtp_loss_scaling_factor) if self.mtp_depth else 0.0
+        self.options = ForwardOptions(tp_group=self.groups.pg_collection.tp,
+                                      routers=self.routers, mtp_loss_scaling_factor=scaling)
         if self.eval_reader is not None and self.eval_source is not None:
             self.eval_schedule = EvalSchedule(self.eval_reader, self.eval_source, topology,
                                               self.groups.catalog, max_steps=eval_iters)
             self.eval_batches = PlanBatches(self.eval_reader, self.eval_source, self.groups,
                                             num_chunks=len(model), device=device,
-                                            vocab_size=vocab_size)
+                                            vocab_size=vocab_size, mtp_depth=self.mtp_depth)
 
     # ---- what the schedule gets --------------------------------------------------------------
 
@@ -136,6 +158,16 @@ class PlanSession:
                 yield _tag(batches.batch(step, m, c), c)
         its = [chunk(c) for c in range(batches.num_chunks)]
         return its[0] if len(its) == 1 else its
+
+    def begin_step(self, step: int) -> bool:
+        """Open training step ``step``'s routing statistics (a MoE model); True when the step
+        needs its statistics pass (``global_aux_loss``: ``counting_step`` over the step's
+        batches, inside ``routers.counting()``) before the training forward."""
+        if self.routers is None:
+            return False
+        assert self.batches is not None
+        self.routers.begin(self.batches.step_tokens(step))
+        return self.routers.needs_counts
 
     def eval_num_microbatches(self, step: int) -> int:
         assert self.eval_schedule is not None
@@ -160,16 +192,36 @@ class PlanSession:
         batch = next(data_iterator)
         if self.count_flops and batch.get(_CHUNK, 0) == 0:
             _add_seqlen_stats(batch)
-        return forward_step(batch, model, self.options)
+        output, loss = forward_step(batch, model, self.options)
+        if loss is None or not self.mtp_depth:
+            return output, loss
+        return output, functools.partial(_per_depth_reports, loss)
 
-    def step_loss_tokens(self, reports: list[dict[str, torch.Tensor]]) -> tuple[float, float]:
-        """The step's (loss sum, loss tokens) over the pool, on every rank (collective)."""
+    def counting_step(self, data_iterator: Iterator[Batch], model: nn.Module
+                      ) -> tuple[Any, Any]:
+        """``global_aux_loss``'s statistics pass: routing only, no loss (``forward_step(...,
+        counting=True)``)."""
+        assert self.options is not None
+        return forward_step(next(data_iterator), model, self.options, counting=True)
+
+    def step_loss(self, reports: list[dict[str, torch.Tensor]], *, training: bool
+                  ) -> StepLoss:
+        """The step's per-token loss over the pool, on every rank (collective); a training
+        step of a MoE model also reports its load-balancing term and tokens per expert."""
         assert self.groups is not None
         topology = self.groups.topology
-        loss_sum, count, _ = reduce_reports(
-            reports, mtp_depth=0, device=self.device, pool_group=self.groups.catalog.pool_group,
+        loss_sum, count, mtp_loss = reduce_reports(
+            [_packed_reports(r) for r in reports], mtp_depth=self.mtp_depth, device=self.device,
+            pool_group=self.groups.catalog.pool_group,
             pp_group=self.groups.pg_collection.pp if topology.pp > 1 else None)
-        return loss_sum, count
+        aux, tokens_per_expert = None, None
+        if training and self.routers is not None:
+            aux, tokens_per_expert = self.routers.report(count)
+            if aux is not None:
+                _track_load_balancing(self.routers, aux, first_stage=topology.pp_rank == 0)
+        return StepLoss(loss=loss_sum / max(count, 1.0), loss_tokens=int(count),
+                        moe_aux_loss=aux, moe_tokens_per_expert=tokens_per_expert,
+                        mtp_loss=mtp_loss if training else None)
 
     def step_tokens(self, step: int) -> int:
         assert self.batches is not None
@@ -180,6 +232,52 @@ class PlanSession:
             close = getattr(obj, "close", None)
             if close is not None:
                 close()
+
+
+_TRACKED = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+            "global_aux_loss": "global_load_balancing_loss"}
+"""Megatron's metric name of each load-balancing type (router.py)."""
+
+
+def _track_load_balancing(routers: RouterSteps, aux: float, *, first_stage: bool) -> None:
+    """Megatron-LM's log line (``track_moe_metrics``) reads the router methods' own records,
+    which the binding replaces: record the step's term there instead, so that its figure is the
+    adapter's load-balancing loss per MoE layer, unweighted (``aux / coeff / layers``). Megatron
+    sums the records over the pipeline, averages them over the data-parallel ranks and scales
+    them by ``1 / get_num_microbatches()`` (its global-batch count, not the plan's), so every
+    rank of the first stage records the same value times that count, spread evenly over the
+    layers (``--moe-per-layer-logging`` is refused)."""
+    from runtime.adapters.megatron_lm import mlm
+
+    config = routers.config
+    (kind,) = routers.active  # one type: model_flags.refusals
+    coeff = config.moe_aux_loss_coeff
+    coeff = float(coeff[0] if isinstance(coeff, (list, tuple)) else coeff)
+    layers = int(config.num_layers)
+    value = aux / coeff / layers * mlm.training.get_num_microbatches() if first_stage else 0.0
+    for layer in range(1, layers + 1):
+        mcore.moe_utils.save_to_aux_losses_tracker(
+            _TRACKED[kind], torch.tensor(value, device=routers.device), layer, layers)
+
+
+def _per_depth_reports(loss: Any, output: torch.Tensor) -> tuple[Any, Any, dict[str, Any]]:
+    # Megatron-LM's train_step takes report values of 1 or 2 elements: "mtp loss" ([sum_1,
+    # count_1, ..., sum_D, count_D], loss.loss_func) becomes one [sum, count] pair per depth,
+    # which its log line then prints as each depth's per-token loss.
+    loss_sum, num_tokens, reports = loss(output)
+    packed = reports.pop("mtp loss", None)
+    if packed is not None:
+        for d, pair in enumerate(packed.reshape(-1, 2)):
+            reports[f"mtp_{d + 1} loss"] = pair
+    return loss_sum, num_tokens, reports
+
+
+def _packed_reports(report: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    depths = sorted((int(k[4:-5]), v) for k, v in report.items()
+                    if k.startswith("mtp_") and k.endswith(" loss"))
+    if not depths:
+        return report
+    return {**report, "mtp loss": torch.cat([v.reshape(-1) for _, v in depths])}
 
 
 def _tag(batch: Batch, chunk: int) -> Batch:

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from runtime.adapters.megatron.binding.refusal import Refusal, config_message
 from runtime.adapters.megatron.compat import mcore
 
 _BOUND: contextvars.ContextVar[MTPContext | None] = contextvars.ContextVar(
@@ -128,32 +129,36 @@ def install() -> None:
     module._dcp_plan_mtp = True
 
 
-def check_config(config: Any, *, tp: int, vpp: int) -> None:
-    """Refuse a multi-token prediction config the adapter cannot run (the same ValueError on
-    every rank, at start-up), saying what to use instead."""
+def mtp_refusals(config: Any, *, tp: int, vpp: int) -> list[Refusal]:
+    """Every multi-token prediction setting of ``config`` the adapter cannot run (none without
+    MTP)."""
     if not config.mtp_num_layers:
-        return
-    refusals = {
+        return []
+    checks = {
         "tensor_model_parallel_size": (
             tp > 1, "the MTP logits are concatenated along the sequence, which sequence "
-            "parallelism splits over the TP ranks: plan with --tp 1"),
+            "parallelism splits over the TP ranks: plan with --tp 1", None),
         "virtual_pipeline_model_parallel_size": (
             vpp > 1, "the MTP block is tested on the last of plain pipeline stages: plan "
-            "without --vpp"),
+            "without --vpp", None),
         "pipeline_model_parallel_layout": (
             getattr(config, "pipeline_model_parallel_layout", None) is not None,
-            "the MTP block sits on the last stage: set None"),
+            "the MTP block sits on the last stage", "None"),
         "mtp_use_repeated_layer": (
-            bool(getattr(config, "mtp_use_repeated_layer", False)),
-            "one layer per depth: set False"),
-        "mtp_num_layers": (
-            config.mtp_num_layers < 0, "a depth >= 1"),
+            bool(getattr(config, "mtp_use_repeated_layer", False)), "one layer per depth",
+            "False"),
+        "mtp_num_layers": (config.mtp_num_layers < 0, "a depth >= 1", None),
     }
-    bad = [f"{name}={getattr(config, name, None)!r}: {why}"
-           for name, (refused, why) in refusals.items() if refused]
+    return [Refusal(name, why, want) for name, (refused, why, want) in checks.items() if refused]
+
+
+def check_config(config: Any, *, tp: int, vpp: int) -> None:
+    """Refuse a multi-token prediction config the adapter cannot run (the same ValueError on
+    every rank, at start-up), saying what to use instead (``mtp_refusals``)."""
+    bad = mtp_refusals(config, tp=tp, vpp=vpp)
     if bad:
         raise ValueError("multi-token prediction the adapter cannot run under dynamic CP: "
-                         + "; ".join(bad))
+                         + config_message(config, bad))
 
 
 def block_spec(layer_spec: Any, config: Any, *, use_te: bool) -> Any:

@@ -15,7 +15,8 @@ mechanism inside Megatron's router):
   the check that the training forward routed as the statistics pass did.
 
 ``check_config`` refuses, before the model exists (so on every rank), every MoE feature the
-adapter does not run under dynamic CP, saying what to use.
+adapter does not run under dynamic CP, saying what to use; ``moe_refusals`` is the list it
+raises from, which the Megatron-LM launcher words in its own flags' names.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from runtime.adapters.megatron.binding import moe
 from runtime.adapters.megatron.binding.batch import Batch
 from runtime.adapters.megatron.binding.groups import MegatronGroups
+from runtime.adapters.megatron.binding.refusal import Refusal, config_message
 from runtime.train.megatron_options import LOAD_BALANCING_TYPES
 
 
@@ -39,54 +41,62 @@ def load_balancing_types(config: Any) -> list[str]:
     return list(kind) if isinstance(kind, (list, tuple)) else [kind]
 
 
-def check_config(config: Any, *, tp: int, sequence_parallel: bool) -> None:
-    """Refuse a MoE ``TransformerConfig`` the adapter cannot run under dynamic CP (the same
-    ValueError on every rank, at start-up), saying what to use instead."""
+def moe_refusals(config: Any, *, tp: int, sequence_parallel: bool) -> list[Refusal]:
+    """Every MoE feature of ``config`` the adapter cannot run under dynamic CP (none for a dense
+    model). ``config``: a ``TransformerConfig`` or anything with its field names (the
+    Megatron-LM launcher passes a view of its arguments)."""
     if not config.num_moe_experts:
-        return
-    refusals = {
+        return []
+    kinds = load_balancing_types(config)
+    checks = {
         "expert_model_parallel_size": (
             (config.expert_model_parallel_size or 1) > 1,
-            "expert parallelism is not supported yet: set 1 (every rank holds all experts)"),
+            "expert parallelism is not supported yet (every rank holds all experts)", "1"),
         "expert_tensor_parallel_size": (
             config.expert_tensor_parallel_size not in (None, tp),
-            f"experts are split over the plan's tp ({tp}): leave it None"),
+            f"experts are split over the plan's tp ({tp})", "None"),
         "moe_expert_capacity_factor": (
             config.moe_expert_capacity_factor is not None,
             "routing is dropless: with a capacity, whether a token reaches its experts depends "
-            "on the other tokens of its microbatch, so on the packing; set None"),
+            "on the other tokens of its microbatch, so on the packing", "None"),
         "moe_pad_expert_input_to_capacity": (
-            bool(config.moe_pad_expert_input_to_capacity), "routing is dropless: set False"),
+            bool(config.moe_pad_expert_input_to_capacity), "routing is dropless", "False"),
         "moe_z_loss_coeff": (
             bool(config.moe_z_loss_coeff), "the router z-loss is not handled under dynamic CP "
-            "yet: set None and balance with moe_aux_loss_coeff"),
+            "yet (balance with the aux-loss coefficient)", "None"),
         "moe_router_enable_expert_bias": (
             bool(config.moe_router_enable_expert_bias), "the expert-bias update is not handled "
-            "under dynamic CP yet: use moe_router_load_balancing_type='global_aux_loss'"),
+            "under dynamic CP yet (global_aux_loss balances over the whole step)", "False"),
         "moe_token_dispatcher_type": (
             config.moe_token_dispatcher_type != "alltoall",
-            "the adapter runs Megatron's alltoall dispatcher: set 'alltoall'"),
+            "the adapter runs Megatron's alltoall dispatcher", "'alltoall'"),
         "moe_input_jitter_eps": (
             bool(config.moe_input_jitter_eps), "random jitter per token makes the run depend "
-            "on the packing: set None"),
+            "on the packing", "None"),
         "moe_router_force_load_balancing": (
             bool(getattr(config, "moe_router_force_load_balancing", False)),
-            "random routing (a benchmark mode): set False"),
+            "random routing (a benchmark mode)", "False"),
         "moe_router_load_balancing_type": (
-            any(t not in LOAD_BALANCING_TYPES for t in load_balancing_types(config)),
+            any(t not in LOAD_BALANCING_TYPES for t in kinds),
             f"use one of {', '.join(LOAD_BALANCING_TYPES)} (sinkhorn and others are not "
-            "handled under dynamic CP)"),
+            "handled under dynamic CP)", None),
         "mtp_num_layers": (
             bool(config.mtp_num_layers), "MoE layers with multi-token prediction are not "
-            "supported yet: a dense model with MTP, or MoE without it"),
+            "supported yet: a dense model with MTP, or MoE without it", None),
         "sequence_parallel": (
             tp > 1 and not sequence_parallel, "MoE with tp > 1 needs sequence parallelism "
-            "(Megatron refuses it in training): plan with dcp-plan --sequence-parallel"),
+            "(Megatron refuses it in training): plan with dcp-plan --sequence-parallel", None),
     }
-    bad = [f"{name}={getattr(config, name)!r}: {why}" for name, (refused, why) in refusals.items()
-           if refused]
+    return [Refusal(name, why, want) for name, (refused, why, want) in checks.items() if refused]
+
+
+def check_config(config: Any, *, tp: int, sequence_parallel: bool) -> None:
+    """Refuse a MoE ``TransformerConfig`` the adapter cannot run under dynamic CP (the same
+    ValueError on every rank, at start-up), saying what to use instead (``moe_refusals``)."""
+    bad = moe_refusals(config, tp=tp, sequence_parallel=sequence_parallel)
     if bad:
-        raise ValueError("MoE model the adapter cannot run under dynamic CP: " + "; ".join(bad))
+        raise ValueError("MoE model the adapter cannot run under dynamic CP: "
+                         + config_message(config, bad))
 
 
 class RouterSteps:

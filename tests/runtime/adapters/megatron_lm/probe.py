@@ -6,7 +6,9 @@ Modes:
   ``$DCP_PROBE_OUT`` on rank 0;
 - ``no-rope-rebinding``: the forward step does not bind the microbatch's CP group into the
   layers (RoPE keeps the build-time group; the core attention still reads the batch's);
-- ``no-recompute-rebinding``: a recomputed forward does not re-enter the binding.
+- ``no-recompute-rebinding``: a recomputed forward does not re-enter the binding;
+- ``no-router-rebinding``: a MoE model's routers keep the build-time TP x CP group (their
+  counts and load-balancing statistics reduce over it, not over the microbatch's group).
 A mutation must make the run fail or diverge from the oracle.
 """
 
@@ -54,8 +56,19 @@ def _no_recompute_rebinding() -> None:
     recompute.rebound = lambda function, binding: function
 
 
+def _no_router_rebinding() -> None:
+    from runtime.adapters.megatron.binding import routers
+    from runtime.adapters.megatron.compat import mcore
+
+    def build_time(self: Any, batch: Any) -> Any:
+        del self, batch
+        return mcore.parallel_state.get_tensor_and_context_parallel_group()
+    routers.RouterSteps.tp_cp_group = build_time  # type: ignore[method-assign]
+
+
 MODES = {"flops": _flops, "no-rope-rebinding": _no_rope_rebinding,
-         "no-recompute-rebinding": _no_recompute_rebinding}
+         "no-recompute-rebinding": _no_recompute_rebinding,
+         "no-router-rebinding": _no_router_rebinding}
 
 if __name__ == "__main__":
     mode = sys.argv[1]

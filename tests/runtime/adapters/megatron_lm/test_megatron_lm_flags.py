@@ -47,15 +47,47 @@ def plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_every_refused_flag_says_why() -> None:
     on = {"hybrid_context_parallel": True, "sft": True, "iterations_to_skip": [3],
           "rampup_batch_size": ["4", "4", "100"], "cuda_graph_impl": "local",
-          "use_torch_fsdp2": True, "multi_latent_attention": True, "num_experts": 4,
-          "mtp_num_layers": 1, "position_embedding_type": "learned_absolute"}
+          "use_torch_fsdp2": True, "multi_latent_attention": True,
+          "position_embedding_type": "learned_absolute"}
     got = flags.refusals(_args(**on), ["x", "--dataloader-type", "cyclic"])
     for flag in ("--hybrid-context-parallel", "--sft", "--iterations-to-skip",
                  "--rampup-batch-size", "--cuda-graph-impl", "--use-torch-fsdp2",
-                 "--multi-latent-attention", "--num-experts", "--mtp-num-layers",
+                 "--multi-latent-attention",
                  "--position-embedding-type", "--dataloader-type cyclic"):
         assert any(line.startswith(flag) and ": refused: " in line for line in got), flag
     assert flags.refusals(_args(), ["x", "--dataloader-type", "external"]) == []
+
+
+def test_moe_and_mtp_refusals_are_the_adapters_in_megatron_lm_flag_names() -> None:
+    pytest.importorskip("megatron.core")
+    moe = dict(num_experts=4, moe_router_topk=2, moe_router_load_balancing_type="seq_aux_loss",
+               moe_aux_loss_coeff=1e-2, moe_token_dispatcher_type="alltoall",
+               moe_ffn_hidden_size=256, expert_model_parallel_size=1)
+    assert flags.refusals(_args(**moe)) == []  # what the MoE test runs
+    got = flags.refusals(_args(**{**moe, "expert_model_parallel_size": 2,
+                                  "moe_token_dispatcher_type": "allgather",
+                                  "moe_router_enable_expert_bias": True,
+                                  "moe_shared_expert_intermediate_size": 64,
+                                  "moe_router_load_balancing_type": ["aux_loss",
+                                                                     "seq_aux_loss"]}))
+    text = "\n".join(got)
+    assert "--expert-model-parallel-size 2: refused: expert parallelism is not supported " \
+        "yet (every rank holds all experts); give --expert-model-parallel-size 1" in text
+    assert "--moe-token-dispatcher-type allgather: refused: the adapter runs Megatron's " \
+        "alltoall dispatcher; give --moe-token-dispatcher-type alltoall" in text
+    assert "--moe-router-enable-expert-bias True: refused: the expert-bias update" in text
+    assert "--moe-shared-expert-intermediate-size 64: refused" in text
+    assert "--moe-router-load-balancing-type aux_loss seq_aux_loss: refused: the oracle" in text
+    assert all(": refused: " in line for line in got)
+    mtp = flags.refusals(_args(mtp_num_layers=2, tensor_model_parallel_size=2,
+                               mtp_use_repeated_layer=True))
+    text = "\n".join(mtp)
+    assert "--tensor-model-parallel-size 2: refused: the MTP logits" in text
+    assert "--mtp-use-repeated-layer True: refused: one layer per depth; drop the flag" in text
+    assert flags.refusals(_args(mtp_num_layers=2, mtp_loss_scaling_factor=0.3)) == []
+    both = flags.refusals(_args(**moe, mtp_num_layers=1))
+    assert any(line.startswith("--mtp-num-layers 1: refused: MoE layers with multi-token")
+               for line in both), both
 
 
 def test_requirements_name_the_flag() -> None:
