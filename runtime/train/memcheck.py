@@ -85,9 +85,15 @@ def shard_state(model: MemoryModel, *, weights: int, optimizer: int) -> MemoryMo
                    resident_bytes=model.resident_bytes / weights)
 
 
+REMEDY = ("plan with a smaller --max-tokens-per-rank (and --long-sequences split), use fused "
+          "attention on CUDA (--attention te, or torch where the engine has it), or pass "
+          "--no-memory-check")
+"""What a refusal tells ``dcp-train``'s user to do (the Megatron-LM launcher says its own)."""
+
+
 def check_memory(plan: str, reader: PlanReader, model_config: GPTConfig, attention: str,
                  device: torch.device, steps: range, *, weight_shards: int = 1,
-                 optimizer_shards: int = 1) -> None:
+                 optimizer_shards: int = 1, remedy: str = REMEDY) -> None:
     """Raise ValueError naming the heaviest microbatch of ``steps`` when it would not fit
     (``shard_state`` for the shards).
 
@@ -100,10 +106,7 @@ def check_memory(plan: str, reader: PlanReader, model_config: GPTConfig, attenti
     found = heaviest(reader, model, steps)
     if budget is None or found is None or found.peak_bytes <= budget[0]:
         return
-    raise ValueError(f"{plan}: {over_budget(found, model, budget[0], budget[1])}; plan with a "
-                     f"smaller --max-tokens-per-rank (and --long-sequences split), use fused "
-                     f"attention on CUDA (--attention te, or torch where the engine has it), or "
-                     "pass --no-memory-check")
+    raise ValueError(f"{plan}: {over_budget(found, model, budget[0], budget[1])}; {remedy}")
 
 
 def check_adapter_memory(cfg: TrainConfig, reader: PlanReader, model_config: GPTConfig,

@@ -59,6 +59,9 @@ class LauncherOptions:
     """Set every weight to the project's split-independent initial value for this seed
     (``model.init_weights``), so that runs of any split, and the oracle, start equal; None:
     Megatron-LM's own initialisation."""
+    memory_check: bool = True
+    """Before the first step, refuse a plan whose heaviest microbatch would not fit a rank
+    (``memory``: ``dcp-train``'s check, the shape from Megatron-LM's arguments)."""
 
 
 def install(options: LauncherOptions) -> Launcher:

@@ -46,6 +46,10 @@ def parser() -> argparse.ArgumentParser:
                    help="set every weight to the project's split-independent initial value "
                         "for this seed (runs of any split, and --reference, start equal); "
                         "default: Megatron-LM's initialisation")
+    p.add_argument("--no-memory-check", dest="memory_check", action="store_false",
+                   help="do not refuse, before the first step, a plan whose heaviest "
+                        "microbatch would not fit a rank (GPU memory; on CPU the host's "
+                        "available memory shared by its ranks)")
     p.add_argument("--reference", action="store_true",
                    help="run the oracle: one process, no parallelism, every sequence alone, "
                         "the same LR schedule and initial weights (needs --init-seed)")
@@ -70,7 +74,7 @@ def options_of(ns: argparse.Namespace) -> LauncherOptions:
             raise ValueError(f"--{name.replace('_', '-')} {path}: no such file")
     return LauncherOptions(plan=ns.plan, eval_plan=ns.eval_plan, dataset=tuple(ns.dataset),
                            eval_dataset=tuple(ns.eval_dataset), log_jsonl=ns.log_jsonl,
-                           init_seed=ns.init_seed)
+                           init_seed=ns.init_seed, memory_check=ns.memory_check)
 
 
 def run_command(command: list[str]) -> None:

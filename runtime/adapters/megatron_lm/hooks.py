@@ -243,6 +243,7 @@ class Launcher:
                              eval_iters=self.args.eval_iters if s.eval_reader else 0)
                 except ValueError as e:  # the job's rank order or groups are not the plan's
                     _exit([str(e)])
+                self._check_memory()
             config = mlm.training.get_model_config(chunks[0])
             config.variable_seq_lengths = True
             if self.on_cpu and self.args.pipeline_model_parallel_size > 1:
@@ -276,6 +277,20 @@ class Launcher:
                 self._step = s.step_loss(list(reports or []), training=True)
             return reports
         return forward_backward
+
+    def _check_memory(self) -> None:
+        """Before the first step (``memory``), from the iteration a ``--load`` resumed at."""
+        if not self.options.memory_check:
+            return
+        from runtime.adapters.megatron_lm.memory import check_launch_memory
+
+        try:
+            check_launch_memory(self.options.plan, self.session.reader, self.args, self.device,
+                                int(self.args.iteration))
+        except ValueError as e:
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"dcp launcher: error: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
 
     def _p2p(self, config: Any) -> Any:
         # gloo matches point-to-point messages by (peer, tag): untagged sends and receives in

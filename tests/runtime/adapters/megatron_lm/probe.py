@@ -8,7 +8,9 @@ Modes:
   layers (RoPE keeps the build-time group; the core attention still reads the batch's);
 - ``no-recompute-rebinding``: a recomputed forward does not re-enter the binding;
 - ``no-router-rebinding``: a MoE model's routers keep the build-time TP x CP group (their
-  counts and load-balancing statistics reduce over it, not over the microbatch's group).
+  counts and load-balancing statistics reduce over it, not over the microbatch's group);
+- ``no-host-memory``: the host reports no available memory (the memory check's budget is the
+  weights a rank holds).
 A mutation must make the run fail or diverge from the oracle.
 """
 
@@ -66,7 +68,14 @@ def _no_router_rebinding() -> None:
     routers.RouterSteps.tp_cp_group = build_time  # type: ignore[method-assign]
 
 
-MODES = {"flops": _flops, "no-rope-rebinding": _no_rope_rebinding,
+def _no_host_memory() -> None:
+    import runtime.calibrate.memory as host
+
+    host.host_available_bytes = lambda: 0
+
+
+MODES = {"flops": _flops, "no-host-memory": _no_host_memory,
+         "no-rope-rebinding": _no_rope_rebinding,
          "no-recompute-rebinding": _no_recompute_rebinding,
          "no-router-rebinding": _no_router_rebinding}
 
