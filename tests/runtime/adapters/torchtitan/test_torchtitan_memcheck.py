@@ -7,6 +7,7 @@ the same run trains."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -33,16 +34,16 @@ pytestmark = pytest.mark.dist
 MODEL = GPTConfig(vocab_size=64, num_layers=2, hidden_size=64, num_heads=4, num_query_groups=2)
 
 
-def _rank(rank: int, world_size: int, store: str, config: TrainConfig) -> dict[str, Any]:
-    del rank, world_size, store
+def _refused_then_trained(build: Callable[[bool], Any]) -> dict[str, Any]:
+    """On a rank whose host has no memory: ``build(check)`` with the check on (its refusal)
+    and off (the steps it trained), keyed ``"True"`` / ``"False"``."""
     import runtime.calibrate.memory as host
-    from runtime.adapters.torchtitan import build_trainer
 
     host.host_available_bytes = lambda: 0  # this process's budget: the weights it holds
     out: dict[str, Any] = {}
     for check in (True, False):
         try:
-            trainer = build_trainer(replace(config, memory_check=check), MODEL)
+            trainer = build(check)
         except ValueError as e:
             out[str(check)] = str(e)
             continue
@@ -54,7 +55,16 @@ def _rank(rank: int, world_size: int, store: str, config: TrainConfig) -> dict[s
     return out
 
 
-def test_every_rank_refuses_before_step_0_and_no_memory_check_trains(tmp_path: Path) -> None:
+def _rank(rank: int, world_size: int, store: str, config: TrainConfig) -> dict[str, Any]:
+    del rank, world_size, store
+    from runtime.adapters.torchtitan import build_trainer
+
+    return _refused_then_trained(
+        lambda check: build_trainer(replace(config, memory_check=check), MODEL))
+
+
+def _plan(tmp_path: Path) -> tuple[Path, Path]:
+    """(plan, dataset): 16 short documents over a pool dp 1 x cp 2."""
     rng = torch.Generator().manual_seed(0)
     lengths = torch.randint(3, 60, (16,), generator=rng).numpy()
     data = _write_dataset(tmp_path / "data.arrow", lengths)
@@ -62,7 +72,11 @@ def test_every_rank_refuses_before_step_0_and_no_memory_check_trains(tmp_path: P
                      PlannerConfig(parallel=ParallelConfig(dp=1, cp=2),
                                    capacity_tokens_per_rank=32, global_batch_size=8, seed=3),
                      load_cost_model("default"))
-    plan = write_plan(tmp_path / "plan.arrow", made.header, made.record_batches())
+    return write_plan(tmp_path / "plan.arrow", made.header, made.record_batches()), data
+
+
+def test_every_rank_refuses_before_step_0_and_no_memory_check_trains(tmp_path: Path) -> None:
+    plan, data = _plan(tmp_path)
     config = TrainConfig(plan=str(plan), dataset=str(data), steps=2, seed=7, quiet=True)
     ranks = run_distributed(_rank, 2, config, timeout=300)
     # The llama3's SwiGLU width (8/3 x 64, a multiple of 16); FSDP shards all over 2 ranks.
@@ -75,23 +89,8 @@ def _registry_rank(rank: int, world_size: int, store: str, args: list[str]) -> d
     del rank, world_size, store
     from torchtitan.config import ConfigManager
 
-    import runtime.calibrate.memory as host
-
-    host.host_available_bytes = lambda: 0
-    out: dict[str, Any] = {}
-    for check in (True, False):
-        config = ConfigManager().parse_args([*args, *([] if check else ["--no-memory-check"])])
-        try:
-            trainer = config.build()
-        except ValueError as e:
-            out[str(check)] = str(e)
-            continue
-        try:
-            trainer.train()
-            out[str(check)] = [log.step for log in trainer.logs]
-        finally:
-            trainer.close()
-    return out
+    return _refused_then_trained(lambda check: ConfigManager().parse_args(
+        [*args, *([] if check else ["--no-memory-check"])]).build())
 
 
 def test_the_registry_route_refuses_alike_before_step_0(tmp_path: Path) -> None:
@@ -102,14 +101,7 @@ def test_the_registry_route_refuses_alike_before_step_0(tmp_path: Path) -> None:
 
     from runtime.adapters.torchtitan.model import memory_shape
 
-    rng = torch.Generator().manual_seed(0)
-    lengths = torch.randint(3, 60, (16,), generator=rng).numpy()
-    data = _write_dataset(tmp_path / "data.arrow", lengths)
-    made = make_plan(read_lengths(data),
-                     PlannerConfig(parallel=ParallelConfig(dp=1, cp=2),
-                                   capacity_tokens_per_rank=32, global_batch_size=8, seed=3),
-                     load_cost_model("default"))
-    plan = write_plan(tmp_path / "plan.arrow", made.header, made.record_batches())
+    plan, data = _plan(tmp_path)
     args = ["--module", "runtime.adapters.torchtitan.registry", "--config", "llama3_debugmodel",
             "--plan.path", str(plan), "--plan.dataset", str(data), "--training.steps", "2",
             "--seed", "7", "--quiet", "--dump_folder", str(tmp_path / "out")]
