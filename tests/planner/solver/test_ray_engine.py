@@ -30,10 +30,10 @@ from planner.config import EngineError, ParallelConfig, PlannerConfig
 from planner.cost import load_cost_model
 from planner.plan import PlanStream
 from planner.planfile.io import write_plan_stream
+from planner.solver import ray_engine
 from planner.solver.greedy import PackingParams
 from planner.solver.jobs import StepJobs
 from planner.solver.parallel import plan_steps
-from planner.solver import ray_engine
 from planner.solver.ray_engine import IN_FLIGHT_PER_SLOT, _plan_task, _result, environment
 from planner.sources.lengths import read_lengths
 
@@ -122,7 +122,8 @@ def test_leaving_early_lets_the_tasks_out_finish(local_ray: None,
     monkeypatch.setattr(ray, "wait", spy)
     steps.close()
     assert cancelled == []
-    assert waited and len(waited[-1]) > 1, "no tasks were out when the generator closed"
+    assert waited, "the generator closed without waiting for its tasks"
+    assert len(waited[-1]) > 1, "no tasks were out when the generator closed"
     ready, not_ready = wait(waited[-1], num_returns=len(waited[-1]), timeout=0)
     assert not_ready == []
     assert all(len(part) == 1 for part in ray.get(ready))  # each answered with its step
