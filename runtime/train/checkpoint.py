@@ -139,8 +139,13 @@ def save(directory: str | os.PathLike[str], *, model: torch.nn.Module,
             try:
                 root.mkdir(parents=True, exist_ok=True)
                 remove_leftovers(root)
-                staging.mkdir()
-                created = True
+                existed = staging.exists()
+                try:
+                    staging.mkdir()
+                finally:
+                    # A signal handled right after the mkdir (CPython runs its handler when the
+                    # call returns) raises out of it with the directory made: still ours.
+                    created = not existed and staging.is_dir()
             except OSError as e:
                 error = f"{staging}: cannot create the checkpoint directory: {e.strerror or e}"
         if not agree(not error, group):

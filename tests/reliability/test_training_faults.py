@@ -128,6 +128,33 @@ def test_resume_matches_and_a_killed_save_changes_nothing(run: dict[str, Path]) 
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step-00000001", "step-00000003"]
 
 
+def test_a_signal_as_the_staging_directory_is_made_leaves_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPython runs a signal's handler when the call it came during returns: a SIGHUP during
+    the staging directory's ``mkdir`` raised out of it with the directory made, before the save
+    knew it was its own, and left ``.step-00000001.tmp`` behind (seen once in CI, in
+    ``test_dcp_train_ends_cleanly_on_every_ending_signal[SIGHUP]``). Here the handler's
+    exception comes right as that mkdir returns."""
+    import os
+
+    from runtime.train import checkpoint
+    from runtime.train.guards import Terminated
+
+    real = os.mkdir
+
+    def interrupted(path: object, *a: object, **kw: object) -> None:
+        real(path, *a, **kw)  # type: ignore[arg-type]
+        if str(path).endswith(".tmp"):
+            raise Terminated(1)
+    monkeypatch.setattr(os, "mkdir", interrupted)
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(Terminated):
+        checkpoint.save(tmp_path / "ck", model=model,
+                        optimizer=torch.optim.AdamW(model.parameters()), next_step=1, meta={},
+                        rank=0)
+    assert list((tmp_path / "ck").iterdir()) == []
+
+
 def test_full_disk_during_save_names_the_path_and_keeps_the_old_checkpoint(
         run: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     mnt = tmp_path / "small"
